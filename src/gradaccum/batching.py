@@ -1,0 +1,125 @@
+"""Batches as tensors, tuples or mappings of tensors that share dim 0: size, slice, split, move.
+
+The equivalence check, the benchmarks and the trainer all cut one batch of examples into
+micro-batches; this module is the one place that knows how.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
+
+import torch
+
+from gradaccum.errors import PlanError
+
+__all__ = ["Batch", "batch_size", "concat", "split", "split_sizes", "take", "to_device"]
+
+Batch: TypeAlias = Any
+"""A tensor, or a tuple/list/mapping (possibly nested) of tensors that share dim 0."""
+
+
+def _leaves(batch: Batch) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [leaf for value in batch.values() for leaf in _leaves(value)]
+    if isinstance(batch, (tuple, list)):
+        return [leaf for value in batch for leaf in _leaves(value)]
+    return []
+
+
+def _rebuild(like: Any, values: Any) -> Any:
+    """A container of ``like``'s type holding ``values`` (a dict for mappings, a list otherwise)."""
+    if isinstance(like, Mapping):
+        try:
+            return type(like)(values)  # type: ignore[call-arg]
+        except TypeError:
+            return dict(values)
+    if hasattr(like, "_fields"):  # a namedtuple takes its fields positionally
+        return type(like)(*values)
+    return type(like)(values)
+
+
+def _map(batch: Batch, fn: Any) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return _rebuild(batch, {key: _map(value, fn) for key, value in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        return _rebuild(batch, [_map(value, fn) for value in batch])
+    return batch
+
+
+def batch_size(batch: Batch) -> int:
+    """Examples in ``batch``: the shared size of dim 0 of every tensor in it."""
+    leaves = _leaves(batch)
+    if not leaves:
+        raise PlanError(
+            f"a batch must be a tensor or a tuple/list/mapping of tensors, got {type(batch).__name__}"
+        )
+    sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if None in sizes or len(sizes) != 1:
+        shapes = [tuple(leaf.shape) for leaf in leaves]
+        raise PlanError(f"the tensors of a batch must share dim 0; got shapes {shapes}")
+    return int(sizes.pop())  # type: ignore[arg-type]
+
+
+def take(batch: Batch, start: int, stop: int) -> Batch:
+    """Examples ``start:stop`` of ``batch`` (views, no copies)."""
+    return _map(batch, lambda t: t[start:stop])
+
+
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """``batch`` with every tensor moved to ``device``."""
+    return _map(batch, lambda t: t.to(device))
+
+
+def split_sizes(total: int, micro_batch: int | None = None, sizes: Sequence[int] | None = None) -> list[int]:
+    """Micro-batch sizes that cover ``total`` examples exactly.
+
+    Either ``micro_batch`` (which must divide ``total``) or an explicit ``sizes`` partition.
+    """
+    if (micro_batch is None) == (sizes is None):
+        raise PlanError("give exactly one of micro_batch or sizes")
+    if sizes is not None:
+        parts = list(sizes)
+        bad = [s for s in parts if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+        if bad or not parts:
+            raise PlanError(f"partition sizes must be positive integers, got {parts}")
+        if sum(parts) != total:
+            raise PlanError(f"partition sizes {parts} sum to {sum(parts)}, but the batch holds {total}")
+        return parts
+    assert micro_batch is not None
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise PlanError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    if total % micro_batch:
+        raise PlanError(
+            f"micro_batch={micro_batch} does not divide the batch of {total} examples; "
+            f"use a divisor of {total} or pass an explicit partition (sizes summing to {total})"
+        )
+    return [micro_batch] * (total // micro_batch)
+
+
+def split(batch: Batch, micro_batch: int | None = None, sizes: Sequence[int] | None = None) -> list[Batch]:
+    """Cut ``batch`` into consecutive micro-batches, in order."""
+    parts = split_sizes(batch_size(batch), micro_batch, sizes)
+    out, start = [], 0
+    for size in parts:
+        out.append(take(batch, start, start + size))
+        start += size
+    return out
+
+
+def concat(batches: Sequence[Batch]) -> Batch:
+    """The inverse of :func:`split`: micro-batches of the same structure joined along dim 0."""
+    if not batches:
+        raise PlanError("concat needs at least one batch")
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(batches))
+    if isinstance(first, Mapping):
+        return _rebuild(first, {key: concat([b[key] for b in batches]) for key in first})
+    if isinstance(first, (tuple, list)):
+        return _rebuild(first, [concat([b[i] for b in batches]) for i in range(len(first))])
+    raise PlanError(f"cannot concatenate batches of type {type(first).__name__}")

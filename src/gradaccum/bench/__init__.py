@@ -1,0 +1,1 @@
+"""Measurement: timing, memory, communication counts, sweeps and the adoption verdict."""

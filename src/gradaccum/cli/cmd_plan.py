@@ -1,0 +1,107 @@
+"""``gradaccum plan``: the batch equation and whether plans hold the optimization fixed."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from rich.table import Table
+
+from gradaccum.cli.render import console, yes_no
+from gradaccum.errors import PlanError
+from gradaccum.plan import BatchPlan, compare_plans
+
+# The seeds' worked example: 25,600 sequences, 8 replicas.
+SEEDS_PLANS = {"A": "8x8x4", "B": "4x8x8", "changed-batch": "4x8x1"}
+
+
+def parse_plan(text: str) -> BatchPlan:
+    """``MICROxDPxACCUM`` (or ``MICROxACCUM`` with dp=1) into a BatchPlan."""
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+))?\s*", text)
+    if not match:
+        raise PlanError(f"a plan is written MICROxDPxACCUM (e.g. 4x8x8) or MICROxACCUM, got {text!r}")
+    a, b, c = match.groups()
+    if c is None:
+        return BatchPlan(micro_batch=int(a), accum_steps=int(b), dp=1)
+    return BatchPlan(micro_batch=int(a), dp=int(b), accum_steps=int(c))
+
+
+def _named_plan(text: str) -> tuple[str, BatchPlan]:
+    name, sep, spec = text.partition("=")
+    return (name, parse_plan(spec)) if sep else (text, parse_plan(text))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="print the batch equation and compare plans",
+        description="Print the batch equation of each plan and whether it holds global batch, "
+        "tokens per step and update count fixed against the first. With no plans: the seeds' example.",
+    )
+    p.add_argument(
+        "plans",
+        nargs="*",
+        metavar="[NAME=]MICROxDPxACCUM",
+        help="plans to compare, the first is the baseline (default: the seeds' A, B, changed-batch)",
+    )
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--dataset-size", type=int, default=25_600, help="sequences in one epoch (default 25600)")
+    p.add_argument(
+        "--final-window",
+        choices=("keep", "drop"),
+        default="keep",
+        help="count a final partial window as an update (keep) or discard it (drop)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    named = (
+        [_named_plan(t) for t in args.plans]
+        if args.plans
+        else [(name, parse_plan(spec)) for name, spec in SEEDS_PLANS.items()]
+    )
+    plans = dict(named)
+    if len(plans) != len(named):
+        raise PlanError("plan names must be unique")
+    comparison = compare_plans(
+        plans, seq_len=args.seq_len, dataset_size=args.dataset_size, final_window=args.final_window
+    )
+    table = Table(title="global batch = micro-batch x dp replicas x accumulation steps")
+    for col in (
+        "plan",
+        "micro",
+        "dp",
+        "accum",
+        "global batch",
+        "tokens/step",
+        "updates/epoch",
+        "same batch",
+        "same tokens",
+        "same updates",
+    ):
+        table.add_column(col, justify="right" if col not in ("plan",) else "left")
+    for row in comparison.rows:
+        p = row.plan
+        table.add_row(
+            row.name,
+            str(p.micro_batch),
+            str(p.dp),
+            str(p.accum_steps),
+            f"{p.global_batch:,}",
+            f"{row.tokens_per_step:,}",
+            f"{row.optimizer_updates:,}",
+            yes_no(row.same_global_batch),
+            yes_no(row.same_tokens),
+            yes_no(row.same_updates),
+        )
+    for name, plan in plans.items():
+        console.print(f"{name}: {plan.equation()}")
+    console.print(table)
+    console.print(
+        f"(seq_len {args.seq_len}, dataset {args.dataset_size:,} sequences, final partial "
+        f"window: {args.final_window}; TP/PP/CP ranks do not multiply the batch)"
+    )
+    for line in comparison.verdicts():
+        console.print(line)
+    return 0

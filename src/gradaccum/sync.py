@@ -1,0 +1,89 @@
+"""Deferring gradient synchronization for plain, DDP, FSDP and FSDP2 modules.
+
+Only public switches are used: ``DistributedDataParallel.no_sync`` and
+``FullyShardedDataParallel.no_sync`` (both restore the previous flag on exit themselves), and FSDP2's
+``FSDPModule.set_requires_gradient_sync``. DDP reads its flag in ``forward``, so the context must
+wrap the forward *and* the backward of a micro-batch, never the backward alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Literal
+
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradaccum.errors import SyncError
+
+__all__ = ["SyncKind", "no_grad_sync", "sync_kind"]
+
+SyncKind = Literal["local", "ddp", "fsdp", "fsdp2"]
+"""How a module's gradients are synchronized: not at all (``local``), or by which wrapper."""
+
+
+def _is_fsdp1(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6 keeps it under _composable
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return False
+    return isinstance(module, FSDPModule)
+
+
+def sync_kind(module: nn.Module) -> SyncKind:
+    """Which synchronization wrapper ``module`` is (its outermost one)."""
+    if isinstance(module, DistributedDataParallel):
+        return "ddp"
+    if _is_fsdp1(module):
+        return "fsdp"
+    if _is_fsdp2(module):
+        return "fsdp2"
+    return "local"
+
+
+@contextlib.contextmanager
+def no_grad_sync(module: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within this context, backward passes accumulate locally without synchronizing gradients.
+
+    Wrap forward and backward of every micro-batch but the last. ``enabled=False`` is a no-op, so
+    the caller's loop stays one shape. A plain module has nothing to defer.
+    """
+    if not enabled:
+        yield
+        return
+    kind = sync_kind(module)
+    if kind in ("ddp", "fsdp"):
+        with module.no_sync():  # type: ignore[operator]
+            yield
+    elif kind == "fsdp2":
+        # FSDP2 has no public getter for this flag. The final micro-batch of every window needs
+        # sync on, so "on" is the state a window must leave behind; it is also FSDP2's default.
+        module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)  # type: ignore[operator]
+    else:
+        yield
+
+
+def check_sync_on(module: nn.Module) -> None:
+    """Refuse to start a window inside the caller's own ``no_sync``: the final backward would not sync."""
+    if sync_kind(module) == "ddp" and not getattr(module, "require_backward_grad_sync", True):
+        raise SyncError(
+            "Accumulator.step was called inside DistributedDataParallel.no_sync(): the window's "
+            "final backward would not synchronize gradients, and ranks would step on different "
+            "gradients. Call step outside no_sync; it defers synchronization itself."
+        )

@@ -1,0 +1,99 @@
+"""A workload: everything gradaccum needs to check, measure or train one model on one loss.
+
+Commands take ``--workload MODULE:FUNCTION``; the function is called with no arguments and returns a
+:class:`Workload`. The bundled ones live in :mod:`gradaccum.examples`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gradaccum.batching import Batch
+from gradaccum.errors import WorkloadError
+from gradaccum.step import CountFn, LossFn
+
+__all__ = ["OptimizerFactory", "Workload", "load_workload", "sgd"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Plain SGD, lr 0.1: an update that shows gradient differences one-to-one."""
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A model factory, a source of examples, and the loss and count that define the objective."""
+
+    name: str
+    """Short name shown in reports."""
+    build_model: Callable[[], nn.Module]
+    """Returns a fresh model with the same initial weights on every call."""
+    make_batch: Callable[[int, int], Batch]
+    """``make_batch(n_examples, seed)``: ``n_examples`` examples sharing dim 0, deterministic in
+    ``seed``. Seed 0 is the verification batch; training and benchmarks draw further seeds."""
+    loss_fn: LossFn
+    """``loss_fn(model, micro_batch)``: the loss summed over the counted units."""
+    count_fn: CountFn
+    """``count_fn(micro_batch)``: how many units ``loss_fn`` sums over."""
+    optimizer_factory: OptimizerFactory = sgd
+    """Builds the optimizer from the model's parameters."""
+    batch_size: int = 8
+    """Examples in the verification batch."""
+    micro_batch: int = 2
+    """Default micro-batch for verification."""
+    unit: str = "tokens"
+    """What ``count_fn`` counts, for reports ("tokens", "examples")."""
+    description: str = ""
+    """One line on what the workload is and what it should show."""
+    declared_hazards: tuple[str, ...] = ()
+    """Batch couplings the scan cannot see in the modules, e.g. ``("in-batch-negatives",)``."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Workload-specific objects other front ends may use (e.g. an encoder call for caching)."""
+
+    def __post_init__(self) -> None:
+        for name in ("build_model", "make_batch", "loss_fn", "count_fn", "optimizer_factory"):
+            if not callable(getattr(self, name)):
+                raise WorkloadError(f"Workload {self.name!r}: {name} must be callable")
+        for name in ("batch_size", "micro_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise WorkloadError(
+                    f"Workload {self.name!r}: {name} must be a positive integer, got {value!r}"
+                )
+
+    def batch(self, seed: int = 0) -> Batch:
+        """The verification batch (``batch_size`` examples drawn with ``seed``)."""
+        return self.make_batch(self.batch_size, seed)
+
+
+def load_workload(spec: str) -> Workload:
+    """Import ``MODULE:FUNCTION``, call it, and check that it returned a :class:`Workload`."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise WorkloadError(
+            f"workload must be written MODULE:FUNCTION (e.g. gradaccum.examples:tiny_gpt), got {spec!r}"
+        )
+    module_name, func_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WorkloadError(f"cannot import workload module {module_name!r}: {exc}") from exc
+    func = getattr(module, func_name, None)
+    if func is None or not callable(func):
+        raise WorkloadError(f"module {module_name!r} has no callable {func_name!r}")
+    try:
+        workload = func()
+    except Exception as exc:
+        raise WorkloadError(f"workload {spec} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"workload {spec} returned {type(workload).__name__}; it must return gradaccum.Workload"
+        )
+    return workload
