@@ -21,8 +21,9 @@ from gradaccum.errors import (
     WorkloadError,
 )
 from gradaccum.loss import IGNORE_INDEX, count_examples, count_tokens, summed_cross_entropy, valid_tokens
+from gradaccum.norms import grad_norm
 from gradaccum.plan import BatchPlan, PlanComparison, compare_plans, factorizations, windows
-from gradaccum.step import AccumConfig, Accumulator, StepResult, grad_norm
+from gradaccum.step import AccumConfig, Accumulator, StepResult
 from gradaccum.sync import no_grad_sync, sync_kind
 from gradaccum.workload import Workload, load_workload
 

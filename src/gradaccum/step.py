@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from gradaccum import dist
+from gradaccum.config import AccumConfig, LossReduction, StepResult
 from gradaccum.errors import (
     ConfigMismatchError,
     CountError,
@@ -30,9 +31,10 @@ from gradaccum.errors import (
     TooManySkipsError,
     WindowError,
 )
+from gradaccum.norms import clip_grads_, grad_norm, local_grads_finite, local_part
 from gradaccum.sync import SyncKind, check_sync_on, no_grad_sync, sync_kind
 
-__all__ = ["AccumConfig", "Accumulator", "CountFn", "LossFn", "StepResult", "grad_norm"]
+__all__ = ["AccumConfig", "Accumulator", "CountFn", "LossFn", "StepResult", "WindowCount"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch)``: the loss summed over the micro-batch's counted units."""
@@ -41,99 +43,22 @@ CountFn = Callable[[Any], "int | torch.Tensor"]
 Observer = Callable[[str, int], None]
 """Called with (event, micro-batch index) at phase boundaries; used by the benchmarks' timers."""
 
-LossReduction = Literal["sum", "mean"]
+
+ZERO_COUNT = "the window holds zero valid units on every rank"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AccumConfig:
-    """The settings of an :class:`Accumulator` that a run card records and replays."""
+@dataclass(frozen=True, slots=True)
+class WindowCount:
+    """The counts of one window: per micro-batch, this rank's, and all ranks' (the N of W/N)."""
 
-    max_grad_norm: float | None = None
-    """Clip the accumulated gradient to this total L2 norm, once per step; ``None`` disables."""
-    loss_reduction: LossReduction = "sum"
-    """``sum``: loss_fn returns the sum over counted units (exact, recommended). ``mean``: it returns
-    the mean over exactly ``count_fn`` units; the step multiplies it back by that count. A mean over
-    zero units is undefined, so ``mean`` refuses micro-batches whose count is zero."""
-    defer_sync: bool = True
-    """Synchronize gradients once per window (on the last micro-batch). Turn off to trade
-    communication for memory, e.g. FSDP, whose deferred gradients stay unsharded."""
-    track_grad_norm: bool = False
-    """Report the pre-clip gradient norm even when not clipping."""
-    skip_nonfinite: bool = True
-    """Skip the update on every rank when the loss or a gradient is NaN or infinite."""
-    max_consecutive_skips: int | None = None
-    """Raise :class:`TooManySkipsError` after this many skipped updates in a row; ``None``: never."""
-
-    def __post_init__(self) -> None:
-        if self.max_grad_norm is not None and not (
-            isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0
-        ):
-            raise ValueError(f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}")
-        if self.loss_reduction not in ("sum", "mean"):
-            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {self.loss_reduction!r}")
-        if self.max_consecutive_skips is not None and (
-            isinstance(self.max_consecutive_skips, bool)
-            or not isinstance(self.max_consecutive_skips, int)
-            or self.max_consecutive_skips < 1
-        ):
-            raise ValueError(
-                "max_consecutive_skips must be a positive integer or None, "
-                f"got {self.max_consecutive_skips!r}"
-            )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepResult:
-    """What one call of :meth:`Accumulator.step` did."""
-
-    loss: float | None
-    """The window's mean loss over the global count (all ranks); ``None`` when that count is 0."""
-    local_count: int
-    """Units counted on this rank."""
-    global_count: int
-    """Units counted on all data-parallel ranks: the denominator N."""
-    micro_batches: int
-    """Micro-batches in this rank's window."""
-    grad_norm: float | None
-    """Total gradient norm before clipping (when clipping or ``track_grad_norm``)."""
-    applied: bool
-    """True when the optimizer stepped."""
-    skip_reason: str | None = None
-    """Why the update was skipped, on every rank alike."""
-    step: int = 0
-    """Optimizer updates applied so far, this one included."""
-
-    @property
-    def skipped(self) -> bool:
-        return not self.applied
-
-
-def grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """Total L2 norm of the gradients of ``parameters`` (None when none has a gradient).
-
-    Stays on the device; for sharded (DTensor) gradients the norm is the full, global one.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return None
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
-    if get_total_norm is not None:
-        norm = get_total_norm(grads, 2.0)
-    else:  # torch < 2.6
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else norm
-
-
-def _clip_(parameters: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    clip_with_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
-    if clip_with_norm is not None:
-        clip_with_norm(parameters, max_norm, total_norm)
-        return
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # torch < 2.6
-    for p in parameters:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    counts: list[int | torch.Tensor]
+    local_count: torch.Tensor
+    global_count: torch.Tensor
+    global_host: int | None
+    """N on the host: known before the first backward under torch.distributed, else None."""
+    min_count: torch.Tensor | None
+    world: int
+    """The W of W/N: ranks whose gradients the wrapper averages (1 for a plain module)."""
 
 
 def _as_count(value: object, index: int) -> int | torch.Tensor:
@@ -161,21 +86,6 @@ def _count_problem(value: object, index: int) -> str:
         f"{where}: a count must be a non-negative int or integer tensor "
         f"(valid tokens or examples), got {type(value).__name__}"
     )
-
-
-def _local_grads_finite(params: Sequence[torch.Tensor]) -> bool:
-    """Whether this rank's own gradients (its shards, for DTensors) are all finite."""
-    for p in params:
-        local = _local(p.grad)
-        if local is not None and not bool(torch.isfinite(local).all()):
-            return False
-    return True
-
-
-def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's part of a gradient: the local shard of a DTensor, else the tensor itself."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if callable(to_local) else grad
 
 
 def _check_loss(loss: object, index: int) -> torch.Tensor:
@@ -292,79 +202,23 @@ class Accumulator:
 
     def step(self, window: Iterable[Any], loss_fn: LossFn, count_fn: CountFn) -> StepResult:
         """Accumulate the window's gradients exactly and apply one optimizer update."""
-        micro_batches = list(window)
-        distributed = dist.is_distributed(self.dp_group)
-        if distributed and not self._checked_ranks:
-            self._check_ranks_agree()
-        check_sync_on(self.model)
-        device = self._device
-        emit = self._emit
-        emit("window_start", len(micro_batches))
-
-        # 1. Count the whole window before the first backward. Counts travel as float64 (exact
-        # below 2**53) so that the scale W/N is computed in full precision.
-        counts = [_as_count(count_fn(mb), i) for i, mb in enumerate(micro_batches)]
-        host_counts = sum(c for c in counts if isinstance(c, int))
-        device_counts = [c.reshape(()) for c in counts if isinstance(c, torch.Tensor)]
-        if device_counts:
-            stacked = torch.stack(device_counts).to(device=device, dtype=torch.float64, non_blocking=True)
-            local_count = stacked.sum() + host_counts if host_counts else stacked.sum()
-            min_count = stacked.min()
-        else:
-            local_count = torch.tensor(float(host_counts), dtype=torch.float64, device=device)
-            min_count = None
-        world = dist.world_size(self.dp_group) if self.kind != "local" else 1
-
-        global_count_host: int | None = None
-        if distributed:
-            # [N, empty windows, negative counts, k, k^2] summed over ranks and read once, so that
-            # every rank takes the same branch below. All ranks hold the same k iff W*sum(k^2) == sum(k)^2.
-            k = len(micro_batches)
-            flags = torch.tensor([int(k == 0), 0.0, k, k * k], dtype=torch.float64, device=device)
-            if min_count is not None:
-                flags[1] = (min_count < 0).to(torch.float64)
-            meta = dist.all_reduce_sum_(torch.cat([local_count.reshape(1), flags]), self.dp_group)
-            global_count_host, empty_ranks, negative_ranks, k_sum, k_sq = (int(v) for v in meta.tolist())
-            global_count = meta[0]
-            if empty_ranks:
-                raise WindowError(
-                    f"{empty_ranks} of {world} data-parallel ranks have an empty window (no "
-                    f"micro-batches) and this rank has {len(micro_batches)}: every rank must run at "
-                    "least one micro-batch, or the synchronizing backward would hang. Give each rank "
-                    "at least one micro-batch (an all-padding one contributes zero)."
-                )
-            if not self.config.defer_sync and world * k_sq != k_sum * k_sum:
-                raise WindowError(
-                    f"ranks hold different numbers of micro-batches ({k_sum} in all over {world} ranks, "
-                    f"{k} here) and defer_sync=False synchronizes on every backward, so the ranks would "
-                    "wait on each other forever. Give every rank the same number of micro-batches, or "
-                    "keep defer_sync=True (one synchronizing backward per window on every rank)."
-                )
-            if negative_ranks:
-                raise CountError(f"count_fn returned a negative count on {negative_ranks} rank(s)")
-        else:
-            if not micro_batches:
-                raise WindowError("the window is empty: step needs at least one micro-batch")
-            global_count = local_count
-
+        micro_batches = self._begin(window)
+        counted = self._count(micro_batches, count_fn)
         self._zero_grad()
-        if global_count_host == 0:
-            return self._skip(
-                0, 0, len(micro_batches), None, "the window holds zero valid units on every rank"
-            )
+        if counted.global_host == 0:
+            return self._skip(0, 0, len(micro_batches), None, ZERO_COUNT)
 
-        # 2. Forward and backward each micro-batch; sync only on the last.
         # each micro-batch adds sum_t l_t / N; DDP then averages over W ranks, so scale by W / N.
-        scale64 = world / global_count.clamp(min=1)
+        scale64 = counted.world / counted.global_count.clamp(min=1)
         scales: dict[torch.dtype, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
-            emit("micro_start", i)
+            self._emit("micro_start", i)
             with no_grad_sync(self.model, enabled=self.config.defer_sync and i != last):
                 loss = _check_loss(loss_fn(self.model, mb), i)
                 if self.config.loss_reduction == "mean":
-                    loss = self._unmean(loss, counts[i], i)
+                    loss = self._unmean(loss, counted.counts[i], i)
                 losses.append(loss.detach())
                 if loss.dtype not in scales:
                     scales[loss.dtype] = scale64.to(loss.dtype)
@@ -372,24 +226,90 @@ class Accumulator:
                 if self.scaler is not None:
                     contribution = self.scaler.scale(contribution)
                 contribution.backward()
-            emit("micro_end", i)
+            self._emit("micro_end", i)
+        return self._conclude(torch.stack(losses).to(torch.float64).sum(), counted, len(micro_batches))
 
-        # 3. One decision for all ranks: count, finiteness, then clip/step once.
-        emit("optimizer_start", 0)
+    # -- the phases, shared with CachedAccumulator -------------------------------------------
+
+    def _begin(self, window: Iterable[Any]) -> list[Any]:
+        """Materialize the window and check, once, that every rank runs the same configuration."""
+        micro_batches = list(window)
+        if not self._checked_ranks and dist.is_distributed(self.dp_group):
+            self._check_ranks_agree()
+        check_sync_on(self.model)
+        self._emit("window_start", len(micro_batches))
+        return micro_batches
+
+    def _count(self, micro_batches: list[Any], count_fn: CountFn) -> WindowCount:
+        """Count the whole window before the first backward, and agree on N across ranks.
+
+        Counts travel as float64 (exact below 2**53) so that the scale W/N is full precision.
+        """
+        device = self._device
+        counts = [_as_count(count_fn(mb), i) for i, mb in enumerate(micro_batches)]
+        host_counts = sum(c for c in counts if isinstance(c, int))
+        device_counts = [c.reshape(()) for c in counts if isinstance(c, torch.Tensor)]
+        min_count: torch.Tensor | None = None
+        if device_counts:
+            stacked = torch.stack(device_counts).to(device=device, dtype=torch.float64, non_blocking=True)
+            local_count = stacked.sum() + host_counts if host_counts else stacked.sum()
+            min_count = stacked.min()
+        else:
+            local_count = torch.tensor(float(host_counts), dtype=torch.float64, device=device)
+        world = dist.world_size(self.dp_group) if self.kind != "local" else 1
+        k = len(micro_batches)
+        if not dist.is_distributed(self.dp_group):
+            if not micro_batches:
+                raise WindowError("the window is empty: step needs at least one micro-batch")
+            return WindowCount(counts, local_count, local_count, None, min_count, world)
+
+        # [N, empty windows, negative counts, k, k^2] summed over ranks and read once, so that every
+        # rank takes the same branch. All ranks hold the same k iff W*sum(k^2) == sum(k)^2.
+        flags = torch.tensor([int(k == 0), 0.0, k, k * k], dtype=torch.float64, device=device)
+        if min_count is not None:
+            flags[1] = (min_count < 0).to(torch.float64)
+        meta = dist.all_reduce_sum_(torch.cat([local_count.reshape(1), flags]), self.dp_group)
+        global_host, empty_ranks, negative_ranks, k_sum, k_sq = (int(v) for v in meta.tolist())
+        if empty_ranks:
+            raise WindowError(
+                f"{empty_ranks} of {world} data-parallel ranks have an empty window (no "
+                f"micro-batches) and this rank has {k}: every rank must run at least one "
+                "micro-batch, or the synchronizing backward would hang. Give each rank at least one "
+                "micro-batch (an all-padding one contributes zero)."
+            )
+        if not self.config.defer_sync and world * k_sq != k_sum * k_sum:
+            raise WindowError(
+                f"ranks hold different numbers of micro-batches ({k_sum} in all over {world} ranks, "
+                f"{k} here) and defer_sync=False synchronizes on every backward, so the ranks would "
+                "wait on each other forever. Give every rank the same number of micro-batches, or "
+                "keep defer_sync=True (one synchronizing backward per window on every rank)."
+            )
+        if negative_ranks:
+            raise CountError(f"count_fn returned a negative count on {negative_ranks} rank(s)")
+        return WindowCount(counts, local_count, meta[0], global_host, min_count, world)
+
+    def _conclude(
+        self, loss_value: torch.Tensor, counted: WindowCount, k: int, *, loss_is_global: bool = False
+    ) -> StepResult:
+        """One decision for all ranks (count, finiteness), then unscale, clip and step once.
+
+        ``loss_value`` is this rank's summed loss (reduced here), or with ``loss_is_global`` the
+        window's objective already computed identically on every rank.
+        """
+        self._emit("optimizer_start", 0)
         params = [p for p in self._params if p.grad is not None]
         norm = self._grad_norm(params) if (self.config.skip_nonfinite or self._wants_norm()) else None
-        loss_total = torch.stack(losses).to(torch.float64).sum()
         zero = self._zero
         summary = torch.stack(
             [
-                loss_total,
+                loss_value.detach().to(torch.float64),
                 zero if norm is None else norm.detach().to(torch.float64),
-                global_count,
-                local_count,
-                zero if min_count is None else min_count,
+                counted.global_count,
+                counted.local_count,
+                zero if counted.min_count is None else counted.min_count,
             ]
         )
-        if distributed:
+        if dist.is_distributed(self.dp_group) and not loss_is_global:
             # the count is already global, and so is the norm (gradients are synchronized, and
             # sharded norms are reduced by _grad_norm); only the loss is still local
             summary[:1] = dist.all_reduce_sum_(summary[:1].clone(), self.dp_group)
@@ -400,27 +320,23 @@ class Accumulator:
         if smallest < 0:
             self._zero_grad()
             raise CountError("count_fn returned a negative count; no update was applied")
-        mean_loss = loss_sum / n_global if n_global else None
+        if loss_is_global:
+            mean_loss: float | None = loss_sum
+        else:
+            mean_loss = loss_sum / n_global if n_global else None
         if n_global == 0:
-            return self._skip(
-                local_n, 0, len(micro_batches), None, "the window holds zero valid units on every rank"
-            )
+            return self._skip(local_n, 0, k, None, ZERO_COUNT)
         if self.config.skip_nonfinite and not (math.isfinite(loss_sum) and math.isfinite(norm_host)):
             self._back_off_scaler(params)
-            return self._skip(
-                local_n,
-                n_global,
-                len(micro_batches),
-                mean_loss,
-                f"non-finite loss or gradient (loss sum {loss_sum}, gradient norm {norm_host})",
-            )
+            reason = f"non-finite loss or gradient (loss sum {loss_sum}, gradient norm {norm_host})"
+            return self._skip(local_n, n_global, k, mean_loss, reason)
 
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
             if self._wants_norm():
                 norm = self._grad_norm(params)
         if self.config.max_grad_norm is not None and norm is not None:
-            _clip_(params, self.config.max_grad_norm, norm)
+            clip_grads_(params, self.config.max_grad_norm, norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -434,14 +350,14 @@ class Accumulator:
             loss=mean_loss,
             local_count=local_n,
             global_count=n_global,
-            micro_batches=len(micro_batches),
+            micro_batches=k,
             grad_norm=float(norm.item()) if (norm is not None and self._wants_norm()) else None,
             applied=True,
             step=self.steps_applied,
         )
         for hook in self.on_step:
             hook(result)
-        emit("optimizer_end", 0)
+        self._emit("optimizer_end", 0)
         return result
 
     # -- helpers ----------------------------------------------------------------------------
@@ -489,9 +405,9 @@ class Accumulator:
         """
         if self.scaler is None:
             return
-        if _local_grads_finite(params):
+        if local_grads_finite(params):
             for p in params:
-                local = _local(p.grad)
+                local = local_part(p.grad)
                 if local is not None and local.numel():
                     local.view(-1)[0] = float("inf")
                     break

@@ -1,0 +1,216 @@
+"""The run card: the record that lets a verified configuration be reproduced on another allocation.
+
+``accept`` writes one for the configuration it verified; ``train --runcard`` replays it. The JSON
+holds derived figures (global batch, tokens per step) beside the plan that implies them, so that a
+card edited by hand into an inconsistent state is refused on reading rather than trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradaccum.errors import GradAccumError, RunCardError
+from gradaccum.plan import BatchPlan
+from gradaccum.step import AccumConfig
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PRECISIONS",
+    "RunCard",
+    "atomic_write_text",
+    "environment",
+    "read_runcard",
+    "write_runcard",
+]
+
+FORMAT_VERSION = 1
+PRECISIONS = ("float64", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunCard:
+    """A verified (or trained) accumulation configuration and the environment it ran in."""
+
+    workload: str
+    """The ``MODULE:FUNCTION`` that builds the workload."""
+    plan: BatchPlan
+    """Micro-batch, accumulation steps and data-parallel degree."""
+    accum: AccumConfig = field(default_factory=AccumConfig)
+    """The Accumulator settings (clipping, loss reduction, sync deferral, skip policy)."""
+    precision: str = "float32"
+    """Production precision: one of ``PRECISIONS``."""
+    denominator: str = "tokens"
+    """What the loss is normalized by: the workload's counted unit ("tokens", "examples")."""
+    tokens_per_step: int | None = None
+    """Valid units per optimizer step, as counted on the verification data (None if unknown)."""
+    seed: int = 0
+    """Seed of the model initialization and data draws."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """gradaccum, torch and Python versions."""
+    device: str = "cpu"
+    """Device description (CPU model or GPU name)."""
+    git_commit: str | None = None
+    """Commit of the working directory's repository, when there is one."""
+    verdict: str | None = None
+    """``ADOPT`` / ``KEEP BASELINE`` for cards written by ``accept``."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form details of the writer (schedule clock, trace window, ...); JSON values only."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise RunCardError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.plan.global_batch
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "workload": self.workload,
+            "micro_batch": self.plan.micro_batch,
+            "accum_steps": self.plan.accum_steps,
+            "dp": self.plan.dp,
+            "global_batch": self.plan.global_batch,
+            "accum": asdict(self.accum),
+            "precision": self.precision,
+            "denominator": self.denominator,
+            "tokens_per_step": self.tokens_per_step,
+            "seed": self.seed,
+            "versions": dict(self.versions),
+            "device": self.device,
+            "git_commit": self.git_commit,
+            "verdict": self.verdict,
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunCard:
+        """Rebuild a card, refusing missing fields, wrong types and inconsistent derived figures."""
+        if not isinstance(data, dict):
+            raise RunCardError(f"a run card is a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise RunCardError(
+                f"run card format_version {version!r} is not supported (expected {FORMAT_VERSION})"
+            )
+        required = (
+            "workload",
+            "micro_batch",
+            "accum_steps",
+            "dp",
+            "global_batch",
+            "accum",
+            "precision",
+            "seed",
+        )
+        missing = [key for key in required if key not in data]
+        if missing:
+            raise RunCardError(f"run card is missing {', '.join(missing)} (truncated or edited by hand?)")
+        try:
+            plan = BatchPlan(micro_batch=data["micro_batch"], accum_steps=data["accum_steps"], dp=data["dp"])
+        except GradAccumError as exc:
+            raise RunCardError(f"run card plan is invalid: {exc}") from exc
+        if data["global_batch"] != plan.global_batch:
+            raise RunCardError(
+                f"run card says global_batch={data['global_batch']!r} but micro_batch x dp x accum_steps = "
+                f"{plan.micro_batch} x {plan.dp} x {plan.accum_steps} = {plan.global_batch}; "
+                "the card is inconsistent (edited by hand?)"
+            )
+        accum_data = data["accum"]
+        if not isinstance(accum_data, dict):
+            raise RunCardError(f"run card 'accum' must be an object, got {type(accum_data).__name__}")
+        known = set(AccumConfig.__dataclass_fields__)
+        unknown = sorted(set(accum_data) - known)
+        if unknown:
+            raise RunCardError(f"run card 'accum' has unknown settings {unknown}; known: {sorted(known)}")
+        try:
+            accum = AccumConfig(**accum_data)
+        except (TypeError, ValueError) as exc:
+            raise RunCardError(f"run card 'accum' is invalid: {exc}") from exc
+        if not isinstance(data["workload"], str) or not isinstance(data["seed"], int):
+            raise RunCardError("run card 'workload' must be a string and 'seed' an integer")
+        tokens = data.get("tokens_per_step")
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise RunCardError(f"run card tokens_per_step must be a non-negative integer, got {tokens!r}")
+        return cls(
+            workload=data["workload"],
+            plan=plan,
+            accum=accum,
+            precision=data["precision"],
+            denominator=str(data.get("denominator", "tokens")),
+            tokens_per_step=tokens,
+            seed=data["seed"],
+            versions=dict(data.get("versions") or {}),
+            device=str(data.get("device", "cpu")),
+            git_commit=data.get("git_commit"),
+            verdict=data.get("verdict"),
+            extra=dict(data.get("extra") or {}),
+        )
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and a rename: readers never see half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_runcard(card: RunCard, path: str | os.PathLike[str]) -> None:
+    atomic_write_text(path, json.dumps(card.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def read_runcard(path: str | os.PathLike[str]) -> RunCard:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RunCardError(f"cannot read run card {path}: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RunCardError(f"run card {path} is not valid JSON (truncated?): {exc}") from exc
+    return RunCard.from_dict(data)
+
+
+def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Versions, device description and git commit, for a card's provenance fields."""
+    from gradaccum import __version__
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine() or "cpu"
+        name = f"cpu ({name}, {os.cpu_count()} cores)"
+    commit: str | None = None
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+        commit = out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "versions": {"gradaccum": __version__, "torch": torch.__version__, "python": sys.version.split()[0]},
+        "device": name,
+        "git_commit": commit,
+    }
