@@ -9,10 +9,14 @@ Each micro-batch therefore backpropagates its *summed* loss times 1/N. DDP and F
 the W ranks' gradients, which divides by W once more, so each rank scales by W/N instead.
 Everything that belongs to the optimizer step (zero_grad, unscale, clip, step, scheduler, hooks)
 runs once per window; nothing runs per micro-batch except forward and backward.
+
+A failure on one rank stops every rank at an agreement point instead of leaving the others in a
+collective: :mod:`gradaccum.faults` says where, and what that cannot cover.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -23,16 +27,19 @@ import torch.nn as nn
 
 from gradaccum import dist
 from gradaccum.config import AccumConfig, LossReduction, StepResult
-from gradaccum.errors import (
-    ConfigMismatchError,
-    CountError,
-    LossError,
-    SyncError,
-    TooManySkipsError,
-    WindowError,
+from gradaccum.errors import CountError, SyncError, TooManySkipsError, WindowError
+from gradaccum.faults import (
+    LocalFailure,
+    agree_before_backward,
+    back_off_scaler,
+    check_buffer_broadcasts,
+    check_ranks_agree,
+    raise_agreed,
+    raise_from_sync_backward,
 )
-from gradaccum.norms import clip_grads_, grad_norm, local_grads_finite, local_part
-from gradaccum.sync import SyncKind, check_sync_on, no_grad_sync, sync_kind
+from gradaccum.norms import clip_grads_, grad_norm
+from gradaccum.sync import SyncKind, check_sync_on, needs_every_parameter, no_grad_sync, sync_kind
+from gradaccum.validate import as_count, check_loss, check_window_shapes, unmean
 
 __all__ = ["AccumConfig", "Accumulator", "CountFn", "LossFn", "StepResult", "WindowCount"]
 
@@ -59,51 +66,6 @@ class WindowCount:
     min_count: torch.Tensor | None
     world: int
     """The W of W/N: ranks whose gradients the wrapper averages (1 for a plain module)."""
-
-
-def _as_count(value: object, index: int) -> int | torch.Tensor:
-    """Validate one ``count_fn`` result: a non-negative int, or a one-element integer tensor."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() == 1 and not (
-            value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool
-        ):
-            return value
-    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise CountError(_count_problem(value, index))
-
-
-def _count_problem(value: object, index: int) -> str:
-    # built only on failure: formatting a tensor costs more than the whole check
-    where = f"count_fn returned {value!r} for micro-batch {index}"
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            return f"{where}: a count must be a single number, got shape {tuple(value.shape)}"
-        return f"{where}: a count must be an integer tensor, got dtype {value.dtype}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{where}: a count cannot be negative"
-    return (
-        f"{where}: a count must be a non-negative int or integer tensor "
-        f"(valid tokens or examples), got {type(value).__name__}"
-    )
-
-
-def _check_loss(loss: object, index: int) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor):
-        raise LossError(
-            f"loss_fn returned {type(loss).__name__} for micro-batch {index}; it must return a Tensor"
-        )
-    if loss.ndim != 0:
-        raise LossError(
-            f"loss_fn returned a tensor of shape {tuple(loss.shape)} for micro-batch {index}; it must "
-            "return a scalar: the loss summed over the counted units (reduction='sum')"
-        )
-    if not loss.requires_grad:
-        raise LossError(
-            f"loss_fn returned a scalar that does not require grad for micro-batch {index}; was it "
-            "computed under torch.no_grad() or detached?"
-        )
-    return loss
 
 
 class Accumulator:
@@ -156,6 +118,11 @@ class Accumulator:
         self.steps_skipped = 0
         self.consecutive_skips = 0
         self._checked_ranks = False
+        self._failure: LocalFailure | None = None  # held until the window's next agreement point
+        self._resync = False  # after an agreed failure under DDP: a synchronizing first micro-batch
+        # DDP fixes the parameters it reduces when it is built; the Accumulator is built right after
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._reduced_params = trainable if needs_every_parameter(model) else []
         self._params = list(model.parameters())
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._params_outside_optimizer = [p for p in self._params if id(p) not in in_optimizer]
@@ -213,30 +180,56 @@ class Accumulator:
         scales: dict[torch.dtype, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         last = len(micro_batches) - 1
+        resync = self._resync
         for i, mb in enumerate(micro_batches):
             self._emit("micro_start", i)
-            with no_grad_sync(self.model, enabled=self.config.defer_sync and i != last):
-                loss = _check_loss(loss_fn(self.model, mb), i)
-                if self.config.loss_reduction == "mean":
-                    loss = self._unmean(loss, counted.counts[i], i)
-                losses.append(loss.detach())
-                if loss.dtype not in scales:
-                    scales[loss.dtype] = scale64.to(loss.dtype)
-                contribution = loss * scales[loss.dtype]
-                if self.scaler is not None:
-                    contribution = self.scaler.scale(contribution)
-                contribution.backward()
+            syncs = i == last or not self.config.defer_sync or (i == 0 and resync)
+            contribution: torch.Tensor | None = None
+            with no_grad_sync(self.model, enabled=not syncs):
+                phase = "forward"
+                try:
+                    loss = check_loss(loss_fn(self.model, mb), i)
+                    if self.config.loss_reduction == "mean":
+                        loss = unmean(loss, counted.counts[i], i)
+                    losses.append(loss.detach())
+                    if loss.dtype not in scales:
+                        scales[loss.dtype] = scale64.to(loss.dtype)
+                    contribution = loss * scales[loss.dtype]
+                    if self.scaler is not None:
+                        contribution = self.scaler.scale(contribution)
+                    if not syncs:
+                        phase = "backward"
+                        contribution.backward()
+                except Exception as exc:
+                    self._failure = LocalFailure(exc, phase, i)
+                if syncs or self._failure is not None:
+                    # all ranks meet before a synchronizing backward; a failed rank skips ahead to it
+                    self._agree(i, contribution)
+                if syncs and contribution is not None:
+                    self._sync_backward(contribution, i)
             self._emit("micro_end", i)
         return self._conclude(torch.stack(losses).to(torch.float64).sum(), counted, len(micro_batches))
 
     # -- the phases, shared with CachedAccumulator -------------------------------------------
 
     def _begin(self, window: Iterable[Any]) -> list[Any]:
-        """Materialize the window and check, once, that every rank runs the same configuration."""
-        micro_batches = list(window)
-        if not self._checked_ranks and dist.is_distributed(self.dp_group):
+        """Check, once, that every rank runs the same configuration; then materialize the window.
+
+        Under torch.distributed a failure here is held for the counts all-reduce (the first
+        agreement point), so that the other ranks stop with this one instead of waiting in it.
+        """
+        self._failure = None
+        distributed = dist.is_distributed(self.dp_group)
+        if not self._checked_ranks and distributed:
             self._check_ranks_agree()
-        check_sync_on(self.model)
+        try:
+            micro_batches = list(window)
+            check_sync_on(self.model)
+        except Exception as exc:
+            if not distributed:
+                raise
+            self._failure = LocalFailure(exc, "reading the window", None)
+            micro_batches = []
         self._emit("window_start", len(micro_batches))
         return micro_batches
 
@@ -246,7 +239,17 @@ class Accumulator:
         Counts travel as float64 (exact below 2**53) so that the scale W/N is full precision.
         """
         device = self._device
-        counts = [_as_count(count_fn(mb), i) for i, mb in enumerate(micro_batches)]
+        distributed = dist.is_distributed(self.dp_group)
+        counts: list[int | torch.Tensor] = []
+        if self._failure is None:
+            try:
+                for i, mb in enumerate(micro_batches):
+                    counts.append(as_count(count_fn(mb), i))
+            except Exception as exc:
+                if not distributed:
+                    raise
+                self._failure = LocalFailure(exc, "count_fn", len(counts))
+                counts = []
         host_counts = sum(c for c in counts if isinstance(c, int))
         device_counts = [c.reshape(()) for c in counts if isinstance(c, torch.Tensor)]
         min_count: torch.Tensor | None = None
@@ -258,32 +261,36 @@ class Accumulator:
             local_count = torch.tensor(float(host_counts), dtype=torch.float64, device=device)
         world = dist.world_size(self.dp_group) if self.kind != "local" else 1
         k = len(micro_batches)
-        if not dist.is_distributed(self.dp_group):
+        if not distributed:
             if not micro_batches:
                 raise WindowError("the window is empty: step needs at least one micro-batch")
             return WindowCount(counts, local_count, local_count, None, min_count, world)
 
-        # [N, empty windows, negative counts, k, k^2] summed over ranks and read once, so that every
-        # rank takes the same branch. All ranks hold the same k iff W*sum(k^2) == sum(k)^2.
-        flags = torch.tensor([int(k == 0), 0.0, k, k * k], dtype=torch.float64, device=device)
+        # [N, empty windows, negative counts, k, k^2, failed, out of memory] summed over ranks and
+        # read once, so that every rank takes the same branch. All ranks hold the same k iff
+        # W*sum(k^2) == sum(k)^2.
+        failure = self._failure
+        failed, oom = (1, int(failure.oom)) if failure is not None else (0, 0)
+        broadcasts = int(self.kind == "ddp" and self.model.will_sync_module_buffers())  # type: ignore[operator]
+        flags = torch.tensor(
+            [int(k == 0), 0.0, k, k * k, failed, oom, broadcasts], dtype=torch.float64, device=device
+        )
         if min_count is not None:
             flags[1] = (min_count < 0).to(torch.float64)
-        meta = dist.all_reduce_sum_(torch.cat([local_count.reshape(1), flags]), self.dp_group)
-        global_host, empty_ranks, negative_ranks, k_sum, k_sq = (int(v) for v in meta.tolist())
-        if empty_ranks:
-            raise WindowError(
-                f"{empty_ranks} of {world} data-parallel ranks have an empty window (no "
-                f"micro-batches) and this rank has {k}: every rank must run at least one "
-                "micro-batch, or the synchronizing backward would hang. Give each rank at least one "
-                "micro-batch (an all-padding one contributes zero)."
-            )
-        if not self.config.defer_sync and world * k_sq != k_sum * k_sum:
-            raise WindowError(
-                f"ranks hold different numbers of micro-batches ({k_sum} in all over {world} ranks, "
-                f"{k} here) and defer_sync=False synchronizes on every backward, so the ranks would "
-                "wait on each other forever. Give every rank the same number of micro-batches, or "
-                "keep defer_sync=True (one synchronizing backward per window on every rank)."
-            )
+        meta = dist.all_reduce_sum_(
+            torch.cat([local_count.reshape(1), flags]), self.dp_group, what="the window's counts"
+        )
+        global_host, empty_ranks, negative_ranks, k_sum, k_sq, failed_ranks, oom_ranks, broadcasting = (
+            int(v) for v in meta.tolist()
+        )
+        if failed_ranks:
+            self._zero_grad()
+            self._failure = None
+            raise_agreed(failure, failed_ranks, oom_ranks, self.dp_group)
+        check_buffer_broadcasts(broadcasting, world)
+        check_window_shapes(
+            world, k, empty_ranks, k_sum, k_sq, defer_sync=self.config.defer_sync, kind=self.kind
+        )
         if negative_ranks:
             raise CountError(f"count_fn returned a negative count on {negative_ranks} rank(s)")
         return WindowCount(counts, local_count, meta[0], global_host, min_count, world)
@@ -312,7 +319,7 @@ class Accumulator:
         if dist.is_distributed(self.dp_group) and not loss_is_global:
             # the count is already global, and so is the norm (gradients are synchronized, and
             # sharded norms are reduced by _grad_norm); only the loss is still local
-            summary[:1] = dist.all_reduce_sum_(summary[:1].clone(), self.dp_group)
+            summary[:1] = dist.all_reduce_sum_(summary[:1].clone(), self.dp_group, what="the window's loss")
         # the step's one host read on a single process; a NaN or inf on any rank makes the
         # reduced loss or the global norm non-finite, so every rank reaches the same verdict
         loss_sum, norm_host, n_total, n_local, smallest = summary.tolist()
@@ -327,7 +334,7 @@ class Accumulator:
         if n_global == 0:
             return self._skip(local_n, 0, k, None, ZERO_COUNT)
         if self.config.skip_nonfinite and not (math.isfinite(loss_sum) and math.isfinite(norm_host)):
-            self._back_off_scaler(params)
+            back_off_scaler(self.scaler, self.optimizer, params)
             reason = f"non-finite loss or gradient (loss sum {loss_sum}, gradient norm {norm_host})"
             return self._skip(local_n, n_global, k, mean_loss, reason)
 
@@ -383,38 +390,6 @@ class Accumulator:
     def _wants_norm(self) -> bool:
         return self.config.max_grad_norm is not None or self.config.track_grad_norm
 
-    def _unmean(self, loss: torch.Tensor, count: int | torch.Tensor, index: int) -> torch.Tensor:
-        # loss_reduction="mean": the mean over n_j units times n_j is the sum. A mean over zero
-        # units has no defined gradient (0/0), so refuse it rather than backpropagate a NaN.
-        n = int(count)
-        if n == 0:
-            raise CountError(
-                f"micro-batch {index} counts zero units, and loss_reduction='mean' cannot express its "
-                "zero contribution (a mean over nothing is NaN). Return summed losses "
-                "(loss_reduction='sum'), which handle all-padding micro-batches exactly."
-            )
-        return loss * n
-
-    def _back_off_scaler(self, params: Sequence[torch.Tensor]) -> None:
-        """Make a GradScaler skip and back off exactly as on the ranks that saw the overflow.
-
-        The scaler only sees this rank's gradients. When another rank (or a non-finite loss with
-        finite gradients) caused the skip, one gradient element is set to inf so that the scaler's
-        own unscale/step/update path runs: it skips the step and backs the scale off once, and the
-        scale stays identical on every rank.
-        """
-        if self.scaler is None:
-            return
-        if local_grads_finite(params):
-            for p in params:
-                local = local_part(p.grad)
-                if local is not None and local.numel():
-                    local.view(-1)[0] = float("inf")
-                    break
-        self.scaler.unscale_(self.optimizer)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-
     def _skip(self, local_n: int, global_n: int, k: int, loss: float | None, reason: str) -> StepResult:
         self._zero_grad()
         self.steps_skipped += 1
@@ -440,24 +415,39 @@ class Accumulator:
 
     def _check_ranks_agree(self) -> None:
         """Before any gradient moves, every rank must run the same configuration and model."""
-        params = self._params
-        mine = {
-            "config": repr(self.config),
-            "sync": self.kind,
-            "parameters": len(params),
-            "parameter elements": sum(p.numel() for p in params),
-            "parameter shapes": format(hash(tuple(tuple(p.shape) for p in params)) & 0xFFFFFFFF, "08x"),
-            "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
-        }
-        everyone = dist.all_gather_objects(mine, self.dp_group)
-        differing = [key for key in mine if len({repr(r[key]) for r in everyone}) > 1]
+        settings: dict[str, Any] = dataclasses.asdict(self.config)
+        settings["sync"] = self.kind
+        settings["scaler"] = type(self.scaler).__name__ if self.scaler is not None else None
         self._checked_ranks = True
-        if differing:
-            lines = [
-                f"  {key}: " + ", ".join(f"rank {r}={v[key]!r}" for r, v in enumerate(everyone))
-                for key in differing
-            ]
-            raise ConfigMismatchError(
-                "data-parallel ranks disagree before the first step; no gradient was exchanged:\n"
-                + "\n".join(lines)
+        check_ranks_agree(settings, self.model, self.dp_group)
+
+    # -- agreement points (gradaccum.faults) ------------------------------------------------
+
+    def _agree(self, index: int, contribution: torch.Tensor | None) -> None:
+        """Before a synchronizing backward: all ranks go on, or all clear their gradients and raise."""
+        try:
+            agree_before_backward(
+                self._failure,
+                contribution,
+                index,
+                self.model,
+                self.kind,
+                check_parameters=self._reduced_params,
+                group=self.dp_group,
+                resynchronizing=index == 0 and self._resync,
             )
+        except BaseException:
+            self._zero_grad()
+            self._failure = None  # the raised error carries it; its traceback holds activations
+            # DDP expects the backward of a synchronizing forward that completed, even in no_sync
+            # later; a synchronizing first micro-batch on every rank resets that bookkeeping
+            self._resync = self.kind == "ddp"
+            raise
+
+    def _sync_backward(self, contribution: torch.Tensor, index: int) -> None:
+        try:
+            contribution.backward()
+        except Exception as exc:
+            self._zero_grad()
+            raise_from_sync_backward(exc, index, self.dp_group)
+        self._resync = False

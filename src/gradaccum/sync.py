@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.errors import SyncError
 
-__all__ = ["SyncKind", "no_grad_sync", "sync_kind"]
+__all__ = ["SyncKind", "check_sync_on", "needs_every_parameter", "no_grad_sync", "sync_kind"]
 
 SyncKind = Literal["local", "ddp", "fsdp", "fsdp2"]
 """How a module's gradients are synchronized: not at all (``local``), or by which wrapper."""
@@ -87,3 +87,15 @@ def check_sync_on(module: nn.Module) -> None:
             "final backward would not synchronize gradients, and ranks would step on different "
             "gradients. Call step outside no_sync; it defers synchronization itself."
         )
+
+
+def needs_every_parameter(module: nn.Module) -> bool:
+    """Whether a synchronizing backward must reach every trainable parameter of ``module``.
+
+    DDP built with ``find_unused_parameters=False`` (and no ``static_graph``) waits for a gradient
+    from each of them: one that a window's last micro-batch does not use leaves its bucket
+    unreduced, which hangs the ranks or steps on unaveraged gradients.
+    """
+    if sync_kind(module) != "ddp":
+        return False
+    return not getattr(module, "find_unused_parameters", False) and not getattr(module, "static_graph", False)

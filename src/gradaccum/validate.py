@@ -1,0 +1,110 @@
+"""What ``count_fn`` and ``loss_fn`` must return, and which windows ranks can step together, checked
+with a message that says what arrived and what to do instead.
+
+The checks run on every micro-batch of every step, so the happy path is a few ``isinstance`` tests;
+messages are built only when a check fails.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradaccum.errors import CountError, LossError, WindowError
+
+__all__ = ["as_count", "check_loss", "check_window_shapes", "unmean"]
+
+
+def as_count(value: object, index: int) -> int | torch.Tensor:
+    """Validate one ``count_fn`` result: a non-negative int, or a one-element integer tensor.
+
+    A tensor's sign is not read here (that would cost a device sync per micro-batch); the step
+    reduces the smallest count with the window's other numbers and refuses a negative one there.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not (
+            value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool
+        ):
+            return value
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise CountError(_count_problem(value, index))
+
+
+def _count_problem(value: object, index: int) -> str:
+    # built only on failure: formatting a tensor costs more than the whole check
+    where = f"count_fn returned {value!r} for micro-batch {index}"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return f"{where}: a count must be a single number, got shape {tuple(value.shape)}"
+        return f"{where}: a count must be an integer tensor, got dtype {value.dtype}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{where}: a count cannot be negative"
+    return (
+        f"{where}: a count must be a non-negative int or integer tensor "
+        f"(valid tokens or examples), got {type(value).__name__}"
+    )
+
+
+def check_loss(loss: object, index: int) -> torch.Tensor:
+    """Validate one ``loss_fn`` result: a scalar tensor that can be backpropagated."""
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(
+            f"loss_fn returned {type(loss).__name__} for micro-batch {index}; it must return a Tensor"
+        )
+    if loss.ndim != 0:
+        raise LossError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)} for micro-batch {index}; it must "
+            "return a scalar: the loss summed over the counted units (reduction='sum')"
+        )
+    if not loss.requires_grad:
+        raise LossError(
+            f"loss_fn returned a scalar that does not require grad for micro-batch {index}; was it "
+            "computed under torch.no_grad() or detached?"
+        )
+    return loss
+
+
+def unmean(loss: torch.Tensor, count: int | torch.Tensor, index: int) -> torch.Tensor:
+    """``loss_reduction="mean"``: the mean over n_j units times n_j is the sum.
+
+    A mean over zero units has no defined gradient (0/0), so refuse it rather than backpropagate
+    a NaN.
+    """
+    n = int(count)
+    if n == 0:
+        raise CountError(
+            f"micro-batch {index} counts zero units, and loss_reduction='mean' cannot express its "
+            "zero contribution (a mean over nothing is NaN). Return summed losses "
+            "(loss_reduction='sum'), which handle all-padding micro-batches exactly."
+        )
+    return loss * n
+
+
+def check_window_shapes(
+    world: int, k: int, empty_ranks: int, k_sum: int, k_sq: int, *, defer_sync: bool, kind: str
+) -> None:
+    """Refuse, on every rank alike, windows whose micro-batch counts would hang the ranks.
+
+    ``empty_ranks``, ``k_sum`` and ``k_sq`` are summed over ranks, so every rank decides the same;
+    all ranks hold the same k iff W * sum(k^2) == sum(k)^2.
+    """
+    if empty_ranks:
+        raise WindowError(
+            f"{empty_ranks} of {world} data-parallel ranks have an empty window (no "
+            f"micro-batches) and this rank has {k}: every rank must run at least one "
+            "micro-batch, or the synchronizing backward would hang. Give each rank at least one "
+            "micro-batch (an all-padding one contributes zero)."
+        )
+    fsdp = kind in ("fsdp", "fsdp2")
+    if world * k_sq != k_sum * k_sum and (not defer_sync or fsdp):
+        why = (
+            f"{kind} gathers parameters in every forward"
+            if fsdp
+            else "defer_sync=False synchronizes on every backward"
+        )
+        raise WindowError(
+            f"ranks hold different numbers of micro-batches ({k_sum} in all over {world} ranks, "
+            f"{k} here) and {why}, so the ranks would wait on each other forever. Give every rank "
+            "the same number of micro-batches (uneven token counts are fine)"
+            + ("." if kind != "ddp" else ", or keep defer_sync=True.")
+        )
