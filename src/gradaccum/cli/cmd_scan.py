@@ -1,0 +1,115 @@
+"""``gradaccum scan``: what in a workload's model and loss changes under accumulation, statically."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from rich.markup import escape
+
+from gradaccum.cli.render import console
+from gradaccum.errors import PlanError
+from gradaccum.hazards import Finding, scan
+from gradaccum.workload import load_workload
+
+DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
+_STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "scan",
+        help="list the layers and losses that break exact accumulation",
+        description="Scan a workload's model for what changes under accumulation (BatchNorm, random "
+        "layers, MoE routers, declared batch-coupled losses), with figures and fixes. Static: "
+        "`gradaccum verify` is the empirical check.",
+    )
+    p.add_argument(
+        "--workload",
+        default=DEFAULT_WORKLOAD,
+        metavar="MODULE:FUNCTION",
+        help=f"function returning a gradaccum.Workload (default {DEFAULT_WORKLOAD})",
+    )
+    p.add_argument(
+        "--accum-steps",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="micro-batches per optimizer step (default: the workload's batch / micro-batch)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="examples per forward (default: the workload's)",
+    )
+    p.add_argument("--strict", action="store_true", help="exit 1 when a finding breaks equivalence")
+    p.set_defaults(func=run)
+
+
+def _join(paths: Sequence[str]) -> str:
+    quoted = [f"`{p}`" for p in paths]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def group_findings(findings: Sequence[Finding]) -> list[tuple[Finding, list[str]]]:
+    """Findings that differ only in the module path, merged (a ResNet has dozens of BatchNorms)."""
+    groups: dict[tuple[str, ...], tuple[Finding, list[str]]] = {}
+    for f in findings:
+        key = (f.code, f.severity, f.kind, f.summary, f.explanation, f.fix)
+        groups.setdefault(key, (f, []))[1].append(f.path)
+    return list(groups.values())
+
+
+def render_findings(findings: Sequence[Finding], *, details: bool = True) -> None:
+    """Print findings, one block per group; ``details=False`` prints the headlines only."""
+    for finding, paths in group_findings(findings):
+        style = _STYLE[finding.severity]
+        many = len(paths) > 1
+        head = f"{finding.kind} at {_join(paths)}: {finding.summary}" if many else finding.headline
+        console.print(f"[{style}]\\[{finding.severity}][/{style}] {finding.code}: {escape(head)}")
+        if details:
+            console.print(f"    {escape(finding.explanation)}")
+            console.print(f"    fix: {escape(finding.fix)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = load_workload(args.workload)
+    micro = args.micro_batch if args.micro_batch is not None else workload.micro_batch
+    if args.accum_steps is not None:
+        k = args.accum_steps
+    elif workload.batch_size % micro == 0:
+        k = workload.batch_size // micro
+    else:
+        raise PlanError(
+            f"--micro-batch {micro} does not divide the batch of {workload.batch_size} examples of "
+            f"workload {workload.name!r}, so the accumulation steps are not implied; give --accum-steps"
+        )
+    model = workload.build_model()
+    findings = scan(model, k, micro_batch=micro, declared_hazards=workload.declared_hazards)
+    params = sum(p.numel() for p in model.parameters())
+    console.print(
+        f"scan of {escape(workload.name)} ({type(model).__name__}, {params:,} parameters): "
+        f"accum_steps {k} x micro_batch {micro} = {k * micro} examples per step per replica"
+    )
+    render_findings(findings)
+    breaking = [f for f in findings if f.breaks_equivalence]
+    if breaking:
+        console.print(
+            f"{len(breaking)} finding(s) break equivalence: the accumulated update will not be the "
+            f"full-batch one. Measure it: gradaccum verify --workload {escape(args.workload)}"
+        )
+    else:
+        console.print("nothing found that breaks equivalence; verify is still the check that proves it")
+    return 1 if (args.strict and breaking) else 0

@@ -1,0 +1,265 @@
+"""``gradaccum verify``: the equivalence acceptance check on any importable workload.
+
+Stage 1 compares one accumulated update with the full-batch update in full precision; when it
+passes, stage 2 compares loss and gradient-norm traces of both partitionings in production
+precision. Exit 0 when every stage that ran passed, 1 when one failed, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+from rich.markup import escape
+from rich.table import Table
+
+from gradaccum.cli.cmd_scan import DEFAULT_WORKLOAD, render_findings
+from gradaccum.cli.main import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from gradaccum.cli.render import console, mark
+from gradaccum.equivalence import GRAD_TOLERANCES, TRACE_TOLERANCES, dtype_name
+from gradaccum.errors import PlanError
+from gradaccum.traces import MAX_TRACE_STEPS
+from gradaccum.verify import EquivalenceReport, TraceReport, compare_traces, verify_workload
+from gradaccum.workload import Workload, load_workload
+
+WORST_SHOWN = 5
+_DTYPES = {dtype_name(d): d for d in (*GRAD_TOLERANCES, *TRACE_TOLERANCES)}
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--sizes takes comma-separated positive integers such as 1,3,4; got {text!r}"
+        ) from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--sizes must all be positive integers, got {text!r}")
+    return sizes
+
+
+def _count(text: str, *, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="check that the accumulated update equals the full-batch update",
+        description="Run the same examples as one full batch and as micro-batches through "
+        "Accumulator.step; compare gradients before clipping and parameters after one update "
+        "(full precision), then loss and gradient-norm traces over a few steps (production "
+        "precision). Exit 0 pass, 1 fail, 2 bad input.",
+    )
+    p.add_argument(
+        "--workload",
+        default=DEFAULT_WORKLOAD,
+        metavar="MODULE:FUNCTION",
+        help=f"function returning a gradaccum.Workload (default {DEFAULT_WORKLOAD})",
+    )
+    cut = p.add_mutually_exclusive_group()
+    cut.add_argument(
+        "--micro-batch",
+        type=lambda t: _count(t, low=1),
+        metavar="N",
+        help="examples per micro-batch; must divide the batch (default: the workload's)",
+    )
+    cut.add_argument("--sizes", type=_sizes, metavar="A,B,...", help="an explicit partition, e.g. 1,3,4")
+    p.add_argument(
+        "--dtype",
+        choices=[dtype_name(d) for d in GRAD_TOLERANCES],
+        default="float64",
+        help="precision of the stage-1 diagnostic (default float64)",
+    )
+    p.add_argument(
+        "--trace-steps",
+        type=lambda t: _count(t, low=0),
+        default=5,
+        metavar="N",
+        help=f"optimizer steps in the stage-2 trace comparison, at most {MAX_TRACE_STEPS}; 0 skips it "
+        "(default 5)",
+    )
+    p.add_argument(
+        "--trace-dtype",
+        choices=[dtype_name(d) for d in TRACE_TOLERANCES],
+        default="float32",
+        help="production precision of stage 2 (default float32)",
+    )
+    p.add_argument(
+        "--cached",
+        action="store_true",
+        help="run the accumulated side through CachedAccumulator (gradient caching), using the "
+        "workload's extras encode_fn and rep_loss_fn; for in-batch-negative losses",
+    )
+    p.add_argument("--device", default="cpu", help="where to run, e.g. cuda:0 (default cpu)")
+    p.add_argument("--seed", type=lambda t: _count(t, low=0), default=0, help="initialization/data seed")
+    p.set_defaults(func=run)
+
+
+def _check_partition(workload: Workload, micro: int | None, sizes: list[int] | None) -> None:
+    """Refuse a partition that does not cover the workload's batch, naming the CLI's options."""
+    n = workload.batch_size
+    if sizes is not None and sum(sizes) != n:
+        raise PlanError(
+            f"--sizes {','.join(map(str, sizes))} sums to {sum(sizes)}, but workload {workload.name!r} "
+            f"verifies on a batch of {n} examples; give sizes summing to {n}"
+        )
+    if sizes is None and micro is not None and n % micro:
+        divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        example = ",".join(str(min(micro, n - i)) for i in range(0, n, micro))
+        raise PlanError(
+            f"--micro-batch {micro} does not divide the batch of {n} examples of workload "
+            f"{workload.name!r} and no partition was given; use a divisor of {n} ({divisors}) or an "
+            f"explicit partition such as --sizes {example}"
+        )
+
+
+def _render_report(report: EquivalenceReport, workload: Workload) -> None:
+    counts = ", ".join(str(c) for c in report.counts)
+    console.print(
+        f"[bold]stage 1[/bold]: one update in {report.dtype} on {report.device}: {sum(report.sizes)} "
+        f"examples as micro-batches {list(report.sizes)} through {escape(report.candidate)}, against "
+        f"the whole batch in one forward/backward"
+    )
+    console.print(f"  {workload.unit} counted per micro-batch: {counts} (N = {report.global_count})")
+    table = Table(show_edge=False)
+    for column in ("check", "error", "tolerance", "result"):
+        table.add_column(column, justify="left" if column == "check" else "right")
+    table.add_row(
+        "gradients before clipping (max relative L2 per parameter)",
+        f"{report.grad_max_rel_err:.2e}",
+        str(report.grad_tol),
+        mark(report.grad_passed),
+    )
+    table.add_row(
+        "parameters after one optimizer update (max absolute)",
+        f"{report.param_max_abs_diff:.2e}",
+        str(report.param_tol),
+        mark(report.param_passed),
+    )
+    console.print(table)
+    worst = Table(title="worst parameters", show_edge=False)
+    for column in ("parameter", "gradient rel err", "parameter abs diff"):
+        worst.add_column(column, justify="left" if column == "parameter" else "right")
+    for row in report.worst[:WORST_SHOWN]:
+        worst.add_row(escape(row.name), f"{row.grad_rel_err:.2e}", f"{row.param_abs_diff:.2e}")
+    console.print(worst)
+    console.print(f"  gradient tolerance: {escape(report.grad_tol.reason)}")
+    console.print(f"  parameter tolerance: {escape(report.param_tol.reason)}")
+    if report.disabled:
+        console.print(f"  random layers switched off for the check: {escape(', '.join(report.disabled))}")
+    if report.buffer_max_abs_diff:
+        console.print(
+            f"  running statistics differ by up to {report.buffer_max_abs_diff:.2e} after the step "
+            "(buffers are not part of the check, which is about the update)"
+        )
+    console.print(f"  scan for accum_steps={len(report.sizes)}:")
+    render_findings(report.findings, details=False)
+
+
+def _fmt(x: float) -> str:
+    return "skipped" if math.isnan(x) else f"{x:.6g}"
+
+
+def _render_trace(trace: TraceReport) -> None:
+    base, cand = list(trace.baseline_sizes), list(trace.candidate_sizes)
+    console.print(
+        f"[bold]stage 2[/bold]: {trace.steps} optimizer steps in {trace.dtype} on {trace.device}, "
+        f"same weights and batches (seeds {trace.seed}..{trace.seed + trace.steps - 1}): "
+        f"{base} against {cand}"
+    )
+    table = Table(show_edge=False)
+    for column in ("step", f"loss {base}", f"loss {cand}", f"grad norm {base}", f"grad norm {cand}"):
+        table.add_column(escape(column), justify="right")
+    for step in range(trace.steps):
+        table.add_row(
+            str(step),
+            _fmt(trace.baseline_loss[step]),
+            _fmt(trace.candidate_loss[step]),
+            _fmt(trace.baseline_grad_norm[step]),
+            _fmt(trace.candidate_grad_norm[step]),
+        )
+    console.print(table)
+    console.print(
+        f"  loss max rel diff {trace.loss_max_rel_diff:.2e}, gradient-norm max rel diff "
+        f"{trace.grad_norm_max_rel_diff:.2e}, tolerance {trace.tol}: {mark(trace.passed)}"
+    )
+    console.print(f"  trace tolerance: {escape(trace.tol.reason)}")
+    for line in trace.skipped:
+        console.print(f"  [yellow]skipped[/yellow] {escape(line)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trace_steps > MAX_TRACE_STEPS:
+        raise PlanError(
+            f"--trace-steps {args.trace_steps} is longer than the {MAX_TRACE_STEPS}-step window the "
+            f"trace tolerances are declared for; use at most {MAX_TRACE_STEPS}"
+        )
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
+        why = "is not a device (cpu, cuda, cuda:0)" if device is None else "names CUDA, but none is available"
+        print(f"gradaccum verify: error: --device {args.device!r} {why}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    workload = load_workload(args.workload)
+    _check_partition(workload, args.micro_batch, args.sizes)
+    candidate = None
+    if args.cached:
+        from gradaccum.cache import cached_candidate_for
+
+        candidate = cached_candidate_for(workload)
+    console.print(f"[bold]verify {escape(workload.name)}[/bold]: {escape(workload.description)}")
+    report = verify_workload(
+        workload,
+        micro_batch=args.micro_batch,
+        sizes=args.sizes,
+        dtype=_DTYPES[args.dtype],
+        device=device,
+        seed=args.seed,
+        candidate_step=candidate,
+    )
+    _render_report(report, workload)
+    trace = None
+    if args.cached and args.trace_steps:
+        console.print("[bold]stage 2[/bold]: not run with --cached (the trace comparison drives Accumulator)")
+    elif args.trace_steps and report.passed:
+        trace = compare_traces(
+            workload,
+            baseline_sizes=[sum(report.sizes)],
+            candidate_sizes=report.sizes,
+            steps=args.trace_steps,
+            dtype=_DTYPES[args.trace_dtype],
+            seed=args.seed,
+            device=device,
+        )
+        _render_trace(trace)
+    elif args.trace_steps:
+        console.print("[bold]stage 2[/bold]: not run, because stage 1 failed")
+    passed = report.passed and (trace is None or trace.passed)
+    console.print(f"[bold]verdict[/bold]: {mark(passed)}")
+    console.print(f"  stage 1: {escape(report.summary())}")
+    if trace is not None:
+        console.print(f"  stage 2: {escape(trace.summary())}")
+    if report.likely_causes:
+        console.print("[bold]likely causes[/bold]:")
+        for cause in report.likely_causes:
+            console.print(f"  - {escape(cause)}")
+        breaking = [f for f in report.findings if f.breaks_equivalence]
+        if breaking:
+            console.print(f"  details and fixes: gradaccum scan --workload {escape(args.workload)}")
+    elif trace is not None and not trace.passed:
+        console.print(
+            "  stage 1 passed but the traces diverged beyond the tolerance: look for rounding that "
+            "compounds (a large learning rate, loss spikes) or for state that differs between the runs"
+        )
+    return EXIT_OK if passed else EXIT_FAILED

@@ -1,0 +1,448 @@
+"""What breaks equivalence: a static scan of a model and the planned accumulation.
+
+An accumulated update equals the full-batch update when the loss is a sum of independent
+per-example terms and nothing in the forward depends on which examples run together. The scan
+looks for the layers that break that by type and by attribute names:
+
+- BatchNorm (any flavour, SyncBatchNorm included) normalizing with batch statistics: each
+  micro-batch is normalized with its own statistics, and running estimates update k times per
+  optimizer step, so the effective momentum per step is ``1 - (1 - m)^k``.
+- InstanceNorm with running statistics: gradients are exact (statistics are per example), but the
+  running estimates still update k times per step.
+- Random layers (dropout of every kind, MultiheadAttention's attention dropout, RReLU, fractional
+  max pooling, drop-path/stochastic depth by class name): masks depend on execution shape.
+- Mixture-of-experts routers, recognised by an auxiliary-loss attribute (``aux_loss``, ``l_aux``,
+  ``load_balancing_loss``, ...; see ``AUX_LOSS_NAMES``) or by a class name containing
+  router/moe/gate/expert together with an expert count (``num_experts``, ``n_experts``,
+  ``num_local_experts``, ``n_routed_experts``): balancing statistics are per forward.
+- Hazards the workload declares (``Workload.declared_hazards``), e.g. ``in-batch-negatives``.
+
+It cannot see couplings written inside ``forward`` or the loss (functional ``batch_norm``, a loss over
+the whole batch), so every scan ends with a note that ``verify`` is the empirical check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch.nn as nn
+
+from gradaccum.errors import PlanError
+
+__all__ = [
+    "AUX_LOSS_NAMES",
+    "EXPERT_COUNT_NAMES",
+    "KNOWN_HAZARDS",
+    "Finding",
+    "Severity",
+    "effective_momentum",
+    "matched_momentum",
+    "scan",
+    "stochastic_modules",
+]
+
+Severity = Literal["error", "warning", "info"]
+_RANK: dict[str, int] = {"error": 0, "warning": 1, "info": 2}
+
+# isinstance only: these base classes cover every flavour (Sync, Lazy, 1d/2d/3d) and user subclasses
+_BATCH_NORM = nn.modules.batchnorm._BatchNorm
+_INSTANCE_NORM = nn.modules.instancenorm._InstanceNorm
+_DROPOUT = nn.modules.dropout._DropoutNd
+
+AUX_LOSS_NAMES = (
+    "aux_loss",
+    "l_aux",
+    "load_balancing_loss",
+    "balance_loss",
+    "lb_loss",
+    "router_aux_loss",
+    "router_z_loss",
+    "router_aux_loss_coef",
+)
+"""Attributes whose presence marks a module as a router with batch-level balancing statistics."""
+EXPERT_COUNT_NAMES = ("num_experts", "n_experts", "num_local_experts", "n_routed_experts")
+"""Expert-count attributes; they mark a router when the class name says router/moe/gate/expert."""
+_ROUTER_NAME_PARTS = ("router", "moe", "gate", "gating", "expert")
+_DROP_PATH_NAME_PARTS = ("droppath", "stochasticdepth", "dropblock")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Finding:
+    """One thing in a model or its loss that changes under accumulation, and what to do about it."""
+
+    code: str
+    """Stable rule name: ``batch-norm``, ``running-stats``, ``random-layer``, ``moe-router``,
+    ``declared-hazard``, ``note`` or ``verify``."""
+    severity: Severity
+    """``error``: the accumulated gradient differs from the full batch's, so verify fails;
+    ``warning``: gradients match, but something else changes with k (running estimates, random
+    draws); ``info``: a note."""
+    path: str
+    """The module's path in the model (``layer1.0.bn1``); ``""`` for the loss or the whole model."""
+    kind: str
+    """The module's class name (``BatchNorm2d``), or ``loss``/``scan`` for findings without a module."""
+    summary: str
+    """A clause completing "<kind> at `path` ...", e.g. "normalizes each micro-batch separately"."""
+    explanation: str
+    """Why, with the figures (micro-batch sizes, momentum per step)."""
+    fix: str
+    """What to do about it."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """The numbers in the explanation, by name (``effective_momentum``, ``accum_steps``, ...)."""
+
+    @property
+    def breaks_equivalence(self) -> bool:
+        """True when the accumulated gradient cannot match the full-batch gradient."""
+        return self.severity == "error"
+
+    @property
+    def headline(self) -> str:
+        """One line naming the module: "BatchNorm2d at `layer1.0.bn1` normalizes each micro-batch ..."."""
+        where = f"{self.kind} at `{self.path}`" if self.path else f"the {self.kind}"
+        return f"{where} {self.summary}"
+
+    def __str__(self) -> str:
+        return f"[{self.severity}] {self.code}: {self.headline}. {self.explanation} Fix: {self.fix}"
+
+
+def effective_momentum(momentum: float, accum_steps: int) -> float:
+    """Momentum per optimizer step of a running estimate updated ``accum_steps`` times per step.
+
+    Each update keeps ``1 - m`` of the old estimate, so k updates keep ``(1 - m)^k``.
+    """
+    return 1.0 - (1.0 - momentum) ** accum_steps
+
+
+def matched_momentum(momentum: float, accum_steps: int) -> float:
+    """The per-forward momentum that gives ``momentum`` per optimizer step over ``accum_steps``."""
+    return 1.0 - (1.0 - momentum) ** (1.0 / accum_steps)
+
+
+def _has_any(module: nn.Module, names: Iterable[str]) -> str | None:
+    """The first of ``names`` that ``module`` has (attribute, parameter, buffer or submodule)."""
+    return next((name for name in names if hasattr(module, name)), None)
+
+
+def _is_drop_path(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    if not any(part in name for part in _DROP_PATH_NAME_PARTS):
+        return False
+    rate = next((getattr(module, a) for a in ("drop_prob", "p", "drop_rate") if hasattr(module, a)), None)
+    return not isinstance(rate, (int, float)) or rate > 0
+
+
+def stochastic_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(path, module)`` of every recognised layer that draws random numbers in its forward."""
+    for path, module in model.named_modules():
+        if isinstance(module, _DROPOUT):
+            if module.p > 0:
+                yield path, module
+        elif isinstance(module, nn.MultiheadAttention):
+            if module.dropout > 0:
+                yield path, module
+        elif isinstance(module, (nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)) or _is_drop_path(
+            module
+        ):
+            yield path, module
+
+
+def _batch_shape(accum_steps: int, micro_batch: int | None) -> tuple[str, str]:
+    if micro_batch is None:
+        return f"1/{accum_steps} of the step's examples", "all of them"
+    return f"{micro_batch} examples", f"{micro_batch * accum_steps}"
+
+
+def _running_stats(module: nn.Module, k: int, figures: dict[str, float]) -> tuple[str, str]:
+    """The explanation and fix of running estimates updated k times per optimizer step."""
+    momentum = getattr(module, "momentum", None)
+    if momentum is None:
+        return (
+            f"Its running estimates are a cumulative average (momentum=None): every forward weighs "
+            f"equally, so k does not reweight them, but num_batches_tracked counts micro-batches "
+            f"({k} per optimizer step), not steps, and each estimate comes from one micro-batch.",
+            "",
+        )
+    eff, matched = effective_momentum(momentum, k), matched_momentum(momentum, k)
+    figures.update(momentum=momentum, effective_momentum=eff, matched_momentum=matched)
+    return (
+        f"Its running estimates update on every forward, {k} times per optimizer step: the effective "
+        f"momentum per step is 1 - (1 - {momentum:g})^{k} = {eff:.4f} instead of {momentum:g}.",
+        f"set momentum={matched:.4f} per forward to keep {momentum:g} per optimizer step "
+        f"(1 - (1 - {momentum:g})^(1/{k}))",
+    )
+
+
+def _norm_finding(path: str, module: nn.Module, k: int, micro_batch: int | None) -> Finding | None:
+    kind = type(module).__name__
+    figures: dict[str, float] = {"accum_steps": float(k)}
+    tracks = bool(getattr(module, "track_running_stats", False))
+    if isinstance(module, _INSTANCE_NORM):
+        # per-example statistics: gradients are exact, only the running estimates see k
+        if not (tracks and module.training):
+            return None
+        text, fix = _running_stats(module, k, figures)
+        return Finding(
+            code="running-stats",
+            severity="warning",
+            path=path,
+            kind=kind,
+            summary="updates its running estimates once per micro-batch",
+            explanation="It normalizes each example on its own, so gradients are exact. " + text,
+            fix=(fix or "nothing to change for the gradients")
+            + "; evaluation uses these estimates, so compare eval metrics, not only losses.",
+            figures=figures,
+        )
+    uses_batch_stats = module.training or not tracks
+    if not uses_batch_stats:
+        return Finding(
+            code="note",
+            severity="info",
+            path=path,
+            kind=kind,
+            summary="is in eval mode and normalizes with its running estimates",
+            explanation="It couples no examples now; in training mode it would normalize each "
+            "micro-batch with that micro-batch's own statistics.",
+            fix="None while it stays in eval mode.",
+            figures=figures,
+        )
+    each, whole = _batch_shape(k, micro_batch)
+    if micro_batch is not None:
+        figures.update(micro_batch=float(micro_batch), global_batch=float(micro_batch * k))
+    explanation = (
+        f"In training mode it normalizes with the mean and variance of the examples in the same "
+        f"forward: {each} per forward instead of {whole}, so each example's output and gradient "
+        f"depend on which micro-batch it lands in, and no loss scaling repairs that."
+    )
+    fix_momentum = ""
+    if tracks and module.training:
+        text, fix_momentum = _running_stats(module, k, figures)
+        explanation += " " + text
+    pooled = (
+        "SyncBatchNorm already pools statistics across GPUs, but not across micro-batches in time"
+        if isinstance(module, nn.SyncBatchNorm)
+        else "SyncBatchNorm pools statistics across GPUs (not across micro-batches in time)"
+    )
+    return Finding(
+        code="batch-norm",
+        severity="error",
+        path=path,
+        kind=kind,
+        summary="normalizes each micro-batch separately",
+        explanation=explanation,
+        fix=(
+            "accept it (micro-batches of 16+ examples usually normalize well, but the update is no "
+            f"longer the full-batch one); {pooled}; or use GroupNorm/LayerNorm, which normalize each "
+            "example on its own and are exact under accumulation."
+            + (f" If you keep it, {fix_momentum}." if fix_momentum else "")
+        ),
+        figures=figures,
+    )
+
+
+def _random_finding(path: str, module: nn.Module) -> Finding:
+    kind = type(module).__name__
+    switchable = not isinstance(module, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d))
+    return Finding(
+        code="random-layer",
+        severity="warning",
+        path=path,
+        kind=kind,
+        summary="draws random numbers in its forward",
+        explanation=(
+            "Its masks come from the global generator in execution order: splitting the batch changes "
+            "how many numbers each forward draws and in which order, so the two partitionings see "
+            "different masks even with the same seed. The objective matches in expectation, not update "
+            "for update."
+        ),
+        fix=(
+            ("verify switches it off for its diagnostic (eval mode, or p=0). " if switchable else "")
+            + "To compare trajectories, derive each example's mask from a generator seeded by the "
+            "example's index, or accept the difference and compare several seeds."
+        ),
+    )
+
+
+def _router_finding(path: str, module: nn.Module, k: int) -> Finding:
+    figures: dict[str, float] = {"accum_steps": float(k)}
+    count_name = _has_any(module, EXPERT_COUNT_NAMES)
+    experts = getattr(module, count_name, None) if count_name else None
+    if isinstance(experts, int):
+        figures["num_experts"] = float(experts)
+    return Finding(
+        code="moe-router",
+        severity="error",
+        path=path,
+        kind=type(module).__name__,
+        summary="routes tokens with load-balancing statistics computed per forward",
+        explanation=(
+            "A balancing loss multiplies each expert's fraction of tokens by its mean router "
+            f"probability, both averaged over one forward: over {k} micro-batches the sum of products "
+            "of micro-batch means is not the product of the batch means, and expert capacity (where "
+            "tokens are dropped) is computed per forward too."
+        ),
+        fix=(
+            "accumulate the routing statistics (tokens per expert, summed router probabilities) over "
+            "the window and compute the balancing loss once per optimizer step (global-batch load "
+            "balancing), or accept the difference and let verify measure it."
+        ),
+        figures=figures,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Hazard:
+    summary: str
+    sized: str
+    """The explanation with ``{b}`` (micro-batch), ``{neg}``/``{all_neg}`` (negatives) and ``{all}``."""
+    unsized: str
+    """The explanation when the micro-batch size is unknown or uneven (``{k}`` micro-batches)."""
+    fix: str
+
+
+KNOWN_HAZARDS: dict[str, _Hazard] = {
+    "in-batch-negatives": _Hazard(
+        "uses in-batch negatives: each example is contrasted only with the examples of its own forward",
+        "Split into micro-batches of {b}, each example meets {neg} instead of {all_neg} negatives: the "
+        "objective itself changes, not just how it is evaluated, so no loss scaling repairs it.",
+        "Split into {k} micro-batches, each example meets only the negatives of its own micro-batch "
+        "instead of every other example of the step: the objective itself changes, so no loss scaling "
+        "repairs it.",
+        "use a gradient cache (Gao et al. 2021): encode the whole window without a graph, compute the "
+        "loss on all representations at once, then backpropagate its gradients with respect to the "
+        "representations micro-batch by micro-batch; or accept fewer negatives as a different objective.",
+    ),
+    "batch-statistics": _Hazard(
+        "uses statistics over the whole batch (a batch mean, centering or variance term)",
+        "Computed per micro-batch, those statistics come from {b} examples instead of the {all} of the "
+        "step, so the objective changes.",
+        "Computed per micro-batch, those statistics come from 1/{k} of the step's examples, so the "
+        "objective changes.",
+        "compute the statistics over the window first (a forward pass without a graph, or running "
+        "sums), then backpropagate per micro-batch against them; or accept the difference.",
+    ),
+    "moe-load-balancing": _Hazard(
+        "adds a mixture-of-experts load-balancing loss computed per forward",
+        "Balancing statistics over micro-batches of {b} examples are not those over the {all} of the step.",
+        "Balancing statistics over 1/{k} of the step's examples are not those over the whole step.",
+        "accumulate the routing statistics over the window and compute the balancing loss once per step.",
+    ),
+}
+"""Hazards a workload may declare for its loss (``Workload.declared_hazards``), by name."""
+
+
+def _declared_finding(hazard: str, k: int, micro_batch: int | None) -> Finding:
+    known = KNOWN_HAZARDS.get(hazard)
+    figures: dict[str, float] = {"accum_steps": float(k)}
+    if known is None:
+        return Finding(
+            code="declared-hazard",
+            severity="error",
+            path="",
+            kind="workload",
+            summary=f"declares the hazard {hazard!r}",
+            explanation="The workload says its objective couples examples in this way; the scan has no "
+            f"rule for it (known: {', '.join(sorted(KNOWN_HAZARDS))}).",
+            fix="verify measures whether it matters; see the workload's documentation for its remedy.",
+            figures=figures,
+        )
+    if micro_batch is None:
+        explanation = known.unsized.format(k=k)
+    else:
+        total = micro_batch * k
+        figures.update(micro_batch=float(micro_batch), global_batch=float(total))
+        explanation = known.sized.format(b=micro_batch, neg=micro_batch - 1, all_neg=total - 1, all=total)
+    return Finding(
+        code="declared-hazard",
+        severity="error",
+        path="",
+        kind="loss",
+        summary=known.summary,
+        explanation=explanation,
+        fix=known.fix,
+        figures=figures,
+    )
+
+
+def _closing_note() -> Finding:
+    return Finding(
+        code="verify",
+        severity="info",
+        path="",
+        kind="scan",
+        summary="recognises layers by type and attribute names only",
+        explanation=(
+            "Couplings written inside forward or the loss (functional batch_norm, a loss over the "
+            "whole batch, state cached between calls) are invisible to it. `gradaccum verify` is the "
+            "empirical check: it compares the accumulated update with the full-batch update on your "
+            "model and loss."
+        ),
+        fix="run `gradaccum verify --workload MODULE:FUNCTION` (or gradaccum.verify.verify) on the model.",
+    )
+
+
+def scan(
+    model: nn.Module,
+    accum_steps: int = 4,
+    *,
+    micro_batch: int | None = None,
+    declared_hazards: Iterable[str] = (),
+) -> list[Finding]:
+    """Static findings for ``model`` accumulated over ``accum_steps`` micro-batches per step.
+
+    ``micro_batch`` (examples per forward), when given, puts sizes into the explanations;
+    ``declared_hazards`` are couplings the workload declares for its loss. Findings come errors
+    first, then warnings, then notes; the last one always says that ``verify`` is the empirical check.
+    """
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise PlanError(f"accum_steps must be a positive integer, got {accum_steps!r}")
+    if micro_batch is not None and (
+        isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1
+    ):
+        raise PlanError(f"micro_batch must be a positive integer or None, got {micro_batch!r}")
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"scan needs a torch.nn.Module, got {type(model).__name__}")
+    k = accum_steps
+    findings: list[Finding] = []
+    if k == 1:
+        findings.append(
+            Finding(
+                code="note",
+                severity="info",
+                path="",
+                kind="plan",
+                summary="has one micro-batch per optimizer step (accum_steps=1)",
+                explanation="Nothing is split, so no layer sees a different batch than without accumulation.",
+                fix="None needed.",
+                figures={"accum_steps": 1.0},
+            )
+        )
+    else:
+        random = {id(m) for _, m in stochastic_modules(model)}
+        routers: list[str] = []
+        for path, module in model.named_modules():
+            if isinstance(module, (_BATCH_NORM, _INSTANCE_NORM)):
+                norm = _norm_finding(path, module, k, micro_batch)
+                if norm is not None:
+                    findings.append(norm)
+            elif id(module) in random:
+                if module.training or isinstance(module, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)):
+                    findings.append(_random_finding(path, module))
+            elif _is_router(module) and not any(r == "" or path.startswith(r + ".") for r in routers):
+                # the gate inside a recognised MoE block is the same finding
+                routers.append(path)
+                findings.append(_router_finding(path, module, k))
+        findings.extend(_declared_finding(h, k, micro_batch) for h in dict.fromkeys(declared_hazards))
+    findings.sort(key=lambda f: _RANK[f.severity])  # stable: model order within a severity
+    findings.append(_closing_note())
+    return findings
+
+
+def _is_router(module: nn.Module) -> bool:
+    if _has_any(module, AUX_LOSS_NAMES):
+        return True
+    name = type(module).__name__.lower()
+    return (
+        any(part in name for part in _ROUTER_NAME_PARTS) and _has_any(module, EXPERT_COUNT_NAMES) is not None
+    )
