@@ -140,6 +140,20 @@ class RunCard:
             raise RunCardError(f"run card 'accum' is invalid: {exc}") from exc
         if not isinstance(data["workload"], str) or not isinstance(data["seed"], int):
             raise RunCardError("run card 'workload' must be a string and 'seed' an integer")
+        versions = data.get("versions") or {}
+        if not isinstance(versions, dict) or not all(isinstance(v, str) for v in versions.values()):
+            raise RunCardError(
+                f"run card 'versions' must be an object of version strings, got {versions!r} "
+                "(edited by hand?)"
+            )
+        extra = data.get("extra") or {}
+        if not isinstance(extra, dict):
+            raise RunCardError(
+                f"run card 'extra' must be an object, got {type(extra).__name__} (edited by hand?)"
+            )
+        for key in ("git_commit", "verdict"):
+            if data.get(key) is not None and not isinstance(data[key], str):
+                raise RunCardError(f"run card '{key}' must be a string or null, got {data[key]!r}")
         tokens = data.get("tokens_per_step")
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise RunCardError(f"run card tokens_per_step must be a non-negative integer, got {tokens!r}")
@@ -151,11 +165,11 @@ class RunCard:
             denominator=str(data.get("denominator", "tokens")),
             tokens_per_step=tokens,
             seed=data["seed"],
-            versions=dict(data.get("versions") or {}),
+            versions={str(k): v for k, v in versions.items()},
             device=str(data.get("device", "cpu")),
             git_commit=data.get("git_commit"),
             verdict=data.get("verdict"),
-            extra=dict(data.get("extra") or {}),
+            extra=dict(extra),
         )
 
 
@@ -165,6 +179,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a report is meant to be read
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()

@@ -1,0 +1,380 @@
+"""The acceptance protocol: verify both partitionings, measure both interleaved, decide, record.
+
+1. the float64 equivalence check of each partitioning against the full batch (``verify``);
+2. the production-precision loss and gradient-norm traces of both, over a declared window;
+3. both configurations measured, interleaved A B A B ..., at least three runs each;
+4. the adoption rule (:func:`gradaccum.bench.verdict.decide`) over those figures;
+5. a run card for the configuration to use: the candidate if adopted, else the baseline.
+
+The checks (1, 2) run in this process with the workload imported here; the measurements (3) go
+through a ``launch`` function, normally a fresh process per run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from gradaccum.bench.measure import DTYPES
+from gradaccum.bench.models import CommModel, comm_model
+from gradaccum.bench.runner import Launch
+from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord, plan_label
+from gradaccum.bench.stats import ConfigSummary, summarize
+from gradaccum.bench.sweep import ProgressEvent, run_specs
+from gradaccum.bench.verdict import (
+    DEFAULT_MARGIN,
+    MIN_RUNS,
+    ArmFigures,
+    ParamCheck,
+    TraceCheck,
+    Verdict,
+    decide,
+)
+from gradaccum.config import AccumConfig
+from gradaccum.errors import PlanError
+from gradaccum.plan import BatchPlan
+from gradaccum.runcard import RunCard
+from gradaccum.workload import Workload
+
+__all__ = [
+    "DEFAULT_WORKLOAD",
+    "AcceptResult",
+    "AcceptSpec",
+    "Equivalence",
+    "check_equivalence",
+    "make_runcard",
+    "run_accept",
+]
+
+DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AcceptSpec:
+    """An accumulation change to accept or refuse: baseline and candidate at one global batch."""
+
+    workload: str = DEFAULT_WORKLOAD
+    """``MODULE:FUNCTION`` of the workload."""
+    baseline: BatchPlan
+    """The configuration in use."""
+    candidate: BatchPlan
+    """The proposed one; it must reach the same global batch."""
+    margin: float = DEFAULT_MARGIN
+    """Required median throughput gain (0.03 = 3 %)."""
+    runs: int = MIN_RUNS
+    """Runs per configuration; at least three."""
+    steps: int = 50
+    """Measured updates per run."""
+    warmup: int = 3
+    """Unmeasured updates at the start of each run."""
+    trace_steps: int = 8
+    """Updates in the production-precision trace comparison (the declared window)."""
+    precision: str = "float32"
+    """Production precision of the traces and the measurements."""
+    defer_sync: bool = True
+    """Defer gradient sync to the last micro-batch (recorded in the run card)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    threads: int | None = None
+    """Torch threads per worker process; ``None``: torch's default."""
+    bucket_cap_mb: float | None = None
+    """DDP gradient bucket size in MiB; ``None``: DDP's default."""
+    seed: int = 0
+    """Model and data seed."""
+
+    def __post_init__(self) -> None:
+        b, c = self.baseline, self.candidate
+        if b.global_batch != c.global_batch:
+            hint = ""
+            per_pass = c.micro_batch * c.dp
+            if b.global_batch % per_pass == 0:
+                fixed = BatchPlan.solve(global_batch=b.global_batch, micro_batch=c.micro_batch, dp=c.dp)
+                hint = (
+                    f" To keep micro-batch {c.micro_batch} on dp={c.dp}, use accumulation "
+                    f"{fixed.accum_steps} ({plan_label(fixed)})."
+                )
+            raise PlanError(
+                f"baseline {plan_label(b)} has global batch {b.global_batch} ({b.equation()}) but candidate "
+                f"{plan_label(c)} has global batch {c.global_batch} ({c.equation()}). accept compares "
+                "accumulation mechanics at a fixed global batch; a different global batch changes the "
+                "optimization (updates, noise, tuned learning rate) and is not an accumulation change." + hint
+            )
+        if isinstance(self.runs, bool) or not isinstance(self.runs, int) or self.runs < MIN_RUNS:
+            raise BenchError(
+                f"runs must be an integer >= {MIN_RUNS} (the protocol's minimum), got {self.runs!r}"
+            )
+        if (
+            isinstance(self.trace_steps, bool)
+            or not isinstance(self.trace_steps, int)
+            or self.trace_steps < 1
+        ):
+            raise BenchError(f"trace_steps must be a positive integer, got {self.trace_steps!r}")
+        margin = self.margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
+            raise BenchError(f"margin must be a non-negative fraction (0.03 = 3%), got {margin!r}")
+        self.measure_spec(self.baseline)  # steps, warmup, precision ...: refused now, not after the checks
+
+    def measure_spec(self, plan: BatchPlan) -> MeasureSpec:
+        return MeasureSpec(
+            workload=self.workload,
+            micro_batch=plan.micro_batch,
+            accum_steps=plan.accum_steps,
+            dp=plan.dp,
+            precision=self.precision,
+            defer_sync=self.defer_sync,
+            steps=self.steps,
+            warmup=self.warmup,
+            seed=self.seed,
+            device=self.device,
+            threads=self.threads,
+            bucket_cap_mb=self.bucket_cap_mb,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["baseline"] = plan_label(self.baseline)
+        data["candidate"] = plan_label(self.candidate)
+        return data
+
+
+def partition(plan: BatchPlan) -> list[int]:
+    """The plan's micro-batch sizes over the whole global batch, as one process sees it.
+
+    Under DP each rank sums its share and DDP averages; the exact step makes that equal to one
+    process accumulating all ``dp x accum_steps`` micro-batches, which is what the check runs.
+    """
+    return [plan.micro_batch] * (plan.accum_steps * plan.dp)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Equivalence:
+    """Steps 1 and 2: the float64 checks of both partitionings and the trace comparison."""
+
+    params: tuple[ParamCheck, ...]
+    """Baseline and candidate against the full batch, float64."""
+    trace: TraceCheck
+    """Production-precision traces of both."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """The underlying reports as plain data (for results.json)."""
+
+
+def _plain(obj: Any) -> Any:
+    """A JSON-ready copy of a report (dataclass, tuple, tensor, dtype ...)."""
+    if hasattr(obj, "__dataclass_fields__"):
+        return {name: _plain(getattr(obj, name)) for name in obj.__dataclass_fields__}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
+    """Run the ``verify`` machinery on both partitionings (float64) and compare traces.
+
+    The float64 check cuts one global batch (``make_batch(global_batch, seed)``) both ways, each
+    against that batch in one forward/backward; the traces run ``trace_steps`` updates of both.
+    """
+    from gradaccum import verify  # the checks; imported here so measurement works without them
+
+    params = []
+    details: dict[str, Any] = {}
+    batch = workload.make_batch(spec.baseline.global_batch, spec.seed)
+    for name, plan in (("baseline", spec.baseline), ("candidate", spec.candidate)):
+        report = verify.verify(
+            workload.build_model,
+            batch,
+            workload.loss_fn,
+            workload.count_fn,
+            sizes=partition(plan),
+            optimizer_factory=workload.optimizer_factory,
+            dtype=torch.float64,
+            device=spec.device,
+            declared_hazards=workload.declared_hazards,
+            seed=spec.seed,
+            name=workload.name,
+            unit=workload.unit,
+        )
+        details[f"equivalence_{name}"] = _plain(report)
+        params.append(
+            ParamCheck(
+                label=f"{name} {plan_label(plan)}",
+                grad_max_rel_err=float(report.grad_max_rel_err),
+                grad_tol=float(report.grad_tol),
+                param_max_abs_diff=float(report.param_max_abs_diff),
+                param_tol=float(report.param_tol),
+                passed=bool(report.passed),
+                causes=tuple(str(c) for c in report.likely_causes),
+            )
+        )
+    trace = verify.compare_traces(
+        workload,
+        baseline_sizes=partition(spec.baseline),
+        candidate_sizes=partition(spec.candidate),
+        steps=spec.trace_steps,
+        dtype=DTYPES[spec.precision],
+        seed=spec.seed,
+        device=spec.device,
+    )
+    details["trace"] = _plain(trace)
+    return Equivalence(
+        params=tuple(params),
+        trace=TraceCheck(passed=bool(trace.passed), figure=_trace_figure(trace)),
+        details=details,
+    )
+
+
+def _trace_figure(trace: Any) -> str:
+    """The trace report's one-line summary, without its own PASS/FAIL (the verdict shows that)."""
+    text = str(trace.summary())
+    for prefix in ("PASS: ", "FAIL: "):
+        text = text.removeprefix(prefix)
+    if trace.skipped:
+        text += f"; skipped: {'; '.join(trace.skipped)}"
+    return text
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AcceptResult:
+    """Everything the acceptance run found, and the run card it recommends."""
+
+    spec: AcceptSpec
+    """What was compared."""
+    equivalence: Equivalence
+    """Steps 1 and 2."""
+    baseline: ConfigSummary
+    """The baseline's runs, summarized."""
+    candidate: ConfigSummary
+    """The candidate's runs, summarized."""
+    comm: tuple[CommModel | None, CommModel | None]
+    """Communication model of baseline and candidate."""
+    verdict: Verdict
+    """ADOPT or KEEP BASELINE, with every criterion."""
+    records: tuple[RunRecord, ...]
+    """Every run, in the order it ran (interleaved)."""
+    card: RunCard
+    """The configuration to use (the candidate if adopted), with its environment."""
+
+    @property
+    def equivalence_passed(self) -> bool:
+        """Whether both partitionings and the traces passed: False means broken arithmetic."""
+        return all(p.passed for p in self.equivalence.params) and self.equivalence.trace.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "accept",
+            "spec": self.spec.to_dict(),
+            "verdict": self.verdict.to_dict(),
+            "equivalence": {
+                "params": [asdict(p) for p in self.equivalence.params],
+                "trace": asdict(self.equivalence.trace),
+                "details": self.equivalence.details,
+            },
+            "baseline": self.baseline.to_dict(),
+            "candidate": self.candidate.to_dict(),
+            "comm_model": [None if c is None else {**asdict(c), "matches": c.matches} for c in self.comm],
+            "runcard": self.card.to_dict(),
+            "runs": [r.to_dict() for r in self.records],
+        }
+
+
+def _arm(summary: ConfigSummary) -> ArmFigures:
+    return ArmFigures(
+        label=summary.spec.label,
+        global_batch=summary.plan.global_batch,
+        tokens_per_update=tuple(summary.tokens_per_update),
+        updates=summary.updates,
+        skipped_updates=summary.skipped_updates,
+        units_per_s_per_run=tuple(summary.per_run_units_per_s),
+        runs_failed=summary.runs - summary.runs_ok,
+    )
+
+
+def _comm(summary: ConfigSummary) -> CommModel | None:
+    if summary.gradient_bytes is None:
+        return None
+    return comm_model(
+        summary.gradient_bytes,
+        summary.spec.accum_steps,
+        defer_sync=summary.spec.defer_sync,
+        measured_bytes=summary.allreduce_bytes_per_update,
+    )
+
+
+def make_runcard(
+    spec: AcceptSpec, verdict: Verdict, chosen: ConfigSummary, environment: dict[str, Any], unit: str
+) -> RunCard:
+    """The card of the configuration to use, with the verdict and the comparison in ``extra``."""
+    return RunCard(
+        workload=spec.workload,
+        plan=chosen.plan,
+        accum=AccumConfig(defer_sync=spec.defer_sync),
+        precision=spec.precision,
+        denominator=unit,
+        tokens_per_step=chosen.tokens_per_update[0] if chosen.tokens_per_update else None,
+        seed=spec.seed,
+        versions=dict(environment.get("versions", {})),
+        device=str(environment.get("device", spec.device)),
+        git_commit=environment.get("git_commit"),
+        verdict=verdict.decision,
+        extra={
+            "chosen": "candidate" if verdict.adopt else "baseline",
+            "baseline": plan_label(spec.baseline),
+            "candidate": plan_label(spec.candidate),
+            "margin": spec.margin,
+            "throughput_gain": verdict.throughput_gain,
+            "trace_steps": spec.trace_steps,
+            "tokens_per_step_source": "global valid units of the first measured update "
+            f"(make_batch({chosen.plan.global_batch}, seed={spec.seed + 1 + spec.warmup}))",
+            "schedule_clock": "optimizer updates (one per window of accum_steps micro-batches)",
+        },
+    )
+
+
+def run_accept(
+    spec: AcceptSpec,
+    launch: Launch,
+    *,
+    workload: Workload,
+    environment: dict[str, Any],
+    equivalence: Equivalence | None = None,
+    on_stage: Callable[[str], None] | None = None,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+) -> AcceptResult:
+    """The whole protocol. ``equivalence`` may be given when it was checked beforehand (torchrun)."""
+    if equivalence is None:
+        if on_stage is not None:
+            on_stage("equivalence")
+        equivalence = check_equivalence(spec, workload)
+    if on_stage is not None:
+        on_stage("measure")
+    arms = [spec.measure_spec(spec.baseline), spec.measure_spec(spec.candidate)]
+    records = run_specs(arms, spec.runs, launch, on_progress)
+    # runs alternate A B A B ...; by position, so that an A/A comparison (noise check) works too
+    base, cand = summarize(arms[0], records[0::2]), summarize(arms[1], records[1::2])
+    verdict = decide(
+        baseline=_arm(base),
+        candidate=_arm(cand),
+        params=equivalence.params,
+        trace=equivalence.trace,
+        margin=spec.margin,
+        unit=workload.unit,
+    )
+    chosen = cand if verdict.adopt else base
+    return AcceptResult(
+        spec=spec,
+        equivalence=equivalence,
+        baseline=base,
+        candidate=cand,
+        comm=(_comm(base), _comm(cand)),
+        verdict=verdict,
+        records=tuple(records),
+        card=make_runcard(spec, verdict, chosen, environment, workload.unit),
+    )

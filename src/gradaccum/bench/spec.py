@@ -1,0 +1,225 @@
+"""What one measured configuration is, and what one run of it reports: plain frozen records.
+
+A :class:`MeasureSpec` crosses a process boundary as JSON (the worker reads it on stdin), and so does
+the :class:`RunRecord` that comes back, so both convert to and from plain dictionaries.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from gradaccum.errors import GradAccumError
+from gradaccum.plan import BatchPlan
+from gradaccum.runcard import PRECISIONS
+
+__all__ = ["BenchError", "MeasureSpec", "Measurement", "RunRecord", "RunStatus", "plan_label"]
+
+RESULT_PREFIX = "GRADACCUM_RESULT "
+"""Marks the worker's result line on stdout, so that nothing a workload prints is mistaken for it."""
+
+RunStatus = Literal["ok", "oom", "failed", "timeout"]
+"""``ok``; ``oom``: the device ran out of memory (caught, freed); ``failed``: an error or a crash;
+``timeout``: the run did not finish in time and was killed."""
+
+
+class BenchError(GradAccumError, ValueError):
+    """A measurement that cannot be set up or summarized as asked."""
+
+
+def _positive(name: str, value: object, *, zero_ok: bool = False) -> None:
+    low = 0 if zero_ok else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "non-negative" if zero_ok else "positive"
+        raise BenchError(f"{name} must be a {kind} integer, got {value!r}")
+
+
+def plan_label(plan: BatchPlan) -> str:
+    """``MICROxACCUM`` (``MICROxDPxACCUM`` under data parallelism), as the commands take plans."""
+    if plan.dp == 1:
+        return f"{plan.micro_batch}x{plan.accum_steps}"
+    return f"{plan.micro_batch}x{plan.dp}x{plan.accum_steps}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasureSpec:
+    """One configuration to measure: a workload, a batch plan, a precision and a step count."""
+
+    workload: str
+    """``MODULE:FUNCTION`` of the workload; the worker process imports it itself."""
+    micro_batch: int
+    """Examples per forward pass on one replica."""
+    accum_steps: int
+    """Micro-batches per optimizer update on one replica."""
+    dp: int = 1
+    """Data-parallel replicas; the process group the measurement runs in must have this many ranks."""
+    precision: str = "float32"
+    """``float64``/``float32``: parameters in that dtype; ``bfloat16``/``float16``: float32
+    parameters under autocast (``float16`` with a GradScaler)."""
+    defer_sync: bool = True
+    """Synchronize gradients once per update (DDP ``no_sync`` on all but the last micro-batch)."""
+    steps: int = 20
+    """Measured optimizer updates per run."""
+    warmup: int = 3
+    """Updates run before measuring: allocator and caches warm up, DDP rebuilds its buckets, and the
+    Accumulator's one-time check that all ranks agree runs."""
+    seed: int = 0
+    """Data of update ``u`` is ``make_batch(global_batch, seed + 1 + u)``: every configuration with
+    the same global batch sees the same examples, so tokens per update match exactly."""
+    device: str = "cpu"
+    """``cpu``, ``cuda`` or ``cuda:N``; a data-parallel worker on CUDA uses ``cuda:LOCAL_RANK``."""
+    threads: int | None = None
+    """``torch.set_num_threads`` in the worker; ``None`` keeps torch's default."""
+    bucket_cap_mb: float | None = None
+    """DDP's gradient bucket size in MiB; ``None`` keeps DDP's default (25)."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "accum_steps", "dp", "steps"):
+            _positive(name, getattr(self, name))
+        _positive("warmup", self.warmup, zero_ok=True)
+        _positive("seed", self.seed, zero_ok=True)
+        if self.threads is not None:
+            _positive("threads", self.threads)
+        if self.bucket_cap_mb is not None and not (
+            isinstance(self.bucket_cap_mb, (int, float)) and 0 < self.bucket_cap_mb < float("inf")
+        ):
+            raise BenchError(
+                f"bucket_cap_mb must be a positive number of MiB or None, got {self.bucket_cap_mb!r}"
+            )
+        if self.precision not in PRECISIONS:
+            raise BenchError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not isinstance(self.workload, str) or ":" not in self.workload:
+            raise BenchError(f"workload must be MODULE:FUNCTION, got {self.workload!r}")
+
+    @property
+    def plan(self) -> BatchPlan:
+        return BatchPlan(micro_batch=self.micro_batch, accum_steps=self.accum_steps, dp=self.dp)
+
+    @property
+    def label(self) -> str:
+        """``MICROxACCUM`` (``MICROxDPxACCUM`` under data parallelism), as the CLI writes plans."""
+        return plan_label(self.plan)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MeasureSpec:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise BenchError(f"unknown measurement settings {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """The figures of one run of one configuration (all ranks combined under data parallelism)."""
+
+    spec: MeasureSpec
+    """What was measured."""
+    unit: str
+    """What the workload's ``count_fn`` counts ("tokens", "examples")."""
+    step_ms: list[float]
+    """Wall time of each measured update at the optimizer boundary (slowest rank under DP)."""
+    micro_ms: float
+    """Median forward+backward time of one micro-batch, the synchronizing final one excluded under DP."""
+    sync_ms: float | None
+    """Median time the final, synchronizing backward adds over the other micro-batches; ``None``
+    without data parallelism or with one micro-batch per update."""
+    count_ms: float
+    """Median time to count the window and agree on N across ranks, before the first backward."""
+    optimizer_ms: float
+    """Median time from the last backward to the end of the optimizer step (norm, clip, step)."""
+    tokens_per_update: list[int]
+    """Exact global count of valid units of each measured update (all ranks)."""
+    examples_per_update: int
+    """Examples per update across all ranks: the global batch."""
+    units_per_s: float
+    """Valid units (tokens) per second: all measured units over all measured step time."""
+    updates: int
+    """Optimizer updates attempted in the measured part of the run."""
+    skipped_updates: int
+    """Of those, updates skipped (GradScaler overflow, non-finite loss or gradient, zero count)."""
+    peak_rss_bytes: int
+    """CPU: peak resident set size of the measuring process (``ru_maxrss``; the largest over ranks).
+    It includes the Python runtime and torch itself: the process high-water mark."""
+    fresh_process: bool
+    """True when the process ran this configuration only, so its peak RSS is this configuration's."""
+    peak_allocated_bytes: int | None
+    """CUDA: ``torch.cuda.max_memory_allocated`` over an update, reset per update; largest update
+    and rank. ``None`` on CPU."""
+    peak_reserved_bytes: int | None
+    """CUDA: ``torch.cuda.max_memory_reserved`` (the caching allocator's pool), reset per update."""
+    gradient_bytes: int
+    """Bytes of one full set of gradients: what one synchronized backward all-reduces under DDP."""
+    allreduce_calls_per_update: int | None
+    """Gradient all-reduce calls per update (DDP comm hook); ``None`` without data parallelism."""
+    allreduce_bytes_per_update: int | None
+    """Gradient bytes all-reduced per update on one rank; ``None`` without data parallelism."""
+    buckets: int | None
+    """All-reduce calls of one synchronized backward (DDP's bucket count); ``None`` without DP."""
+    threads: int
+    """``torch.get_num_threads()`` in the measuring process."""
+    device_name: str
+    """The device the run used, in words."""
+
+    @property
+    def step_ms_median(self) -> float:
+        return float(statistics.median(self.step_ms))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["spec"] = self.spec.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        values = dict(data)
+        values["spec"] = MeasureSpec.from_dict(values["spec"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunRecord:
+    """One run of one configuration: its status and, when it finished, its measurement."""
+
+    spec: MeasureSpec
+    """What was run."""
+    status: RunStatus
+    """How the run ended."""
+    measurement: Measurement | None = None
+    """The figures; ``None`` unless ``status`` is ``ok``."""
+    error: str | None = None
+    """Why it did not finish (the OOM message, the last lines of a traceback, the timeout)."""
+    run_index: int = 0
+    """Which of the configuration's runs this is (runs of different configurations interleave)."""
+
+    def __post_init__(self) -> None:
+        if (self.status == "ok") != (self.measurement is not None):
+            raise BenchError(f"a run record has a measurement iff it is ok, got status {self.status!r}")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_dict(),
+            "status": self.status,
+            "measurement": None if self.measurement is None else self.measurement.to_dict(),
+            "error": self.error,
+            "run_index": self.run_index,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+        m = data.get("measurement")
+        return cls(
+            spec=MeasureSpec.from_dict(data["spec"]),
+            status=data["status"],
+            measurement=None if m is None else Measurement.from_dict(m),
+            error=data.get("error"),
+            run_index=int(data.get("run_index", 0)),
+        )

@@ -1,0 +1,204 @@
+"""Runs of one configuration, summarized: medians and spread across runs.
+
+Each run's figure is already a whole-run figure (throughput over all its measured updates, median
+phase times); the summary takes the median across runs and reports the spread as min..max, because
+with three to five runs a standard deviation says little.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gradaccum.bench.spec import BenchError, Measurement, MeasureSpec, RunRecord, RunStatus
+from gradaccum.plan import BatchPlan
+
+__all__ = ["ConfigSummary", "Spread", "summarize"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Spread:
+    """The median of one figure across runs, with its smallest and largest value."""
+
+    median: float
+    """Median across runs."""
+    low: float
+    """Smallest run."""
+    high: float
+    """Largest run."""
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            raise BenchError("a spread needs at least one value")
+        return cls(median=float(statistics.median(values)), low=float(min(values)), high=float(max(values)))
+
+    @property
+    def relative(self) -> float:
+        """(high - low) / median: how far apart the runs are, as a fraction of the median."""
+        return (self.high - self.low) / self.median if self.median else float("nan")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConfigSummary:
+    """One configuration over all its runs."""
+
+    spec: MeasureSpec
+    """The configuration."""
+    status: RunStatus
+    """``ok`` when every run finished; otherwise the first problem (``oom`` before ``failed``)."""
+    error: str | None
+    """The first problem's message, if any."""
+    runs: int
+    """Runs attempted."""
+    runs_ok: int
+    """Runs that finished."""
+    unit: str
+    """What the throughput counts ("tokens", "examples")."""
+    units_per_s: Spread | None
+    """Valid units per second across runs."""
+    step_ms: Spread | None
+    """Per-run median step time at the optimizer boundary."""
+    micro_ms: float | None
+    """Median forward+backward time of one (non-synchronizing) micro-batch."""
+    sync_ms: float | None
+    """Median exposed synchronization time of the final backward (data-parallel only)."""
+    optimizer_ms: float | None
+    """Median optimizer phase time."""
+    tokens_per_update: list[int]
+    """Exact valid units of each measured update (identical in every run: same data)."""
+    tokens_identical_across_runs: bool
+    """Whether every run counted exactly the same units per update (it must)."""
+    updates: int
+    """Optimizer updates over all measured runs."""
+    skipped_updates: int
+    """Skipped updates over all measured runs."""
+    peak_rss_bytes: float | None
+    """Median across runs of the process peak RSS (CPU; fresh process per run)."""
+    peak_allocated_bytes: float | None
+    """Median across runs of CUDA ``max_memory_allocated`` over an update."""
+    peak_reserved_bytes: float | None
+    """Median across runs of CUDA ``max_memory_reserved`` over an update."""
+    gradient_bytes: int | None
+    """Bytes of one full gradient set."""
+    allreduce_calls_per_update: int | None
+    """Gradient all-reduce calls per update (data-parallel only)."""
+    allreduce_bytes_per_update: int | None
+    """Gradient bytes all-reduced per update per rank (data-parallel only)."""
+    buckets: int | None
+    """DDP buckets: all-reduce calls of one synchronized backward."""
+    per_run_units_per_s: list[float]
+    """Throughput of each finished run, in run order."""
+    fresh_process: bool = True
+    """Whether every run had a process of its own (else peak RSS includes earlier configurations)."""
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.spec.plan
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def skip_rate(self) -> float:
+        return self.skipped_updates / self.updates if self.updates else 0.0
+
+    @property
+    def peak_memory_bytes(self) -> float | None:
+        """The figure the memory model fits: CUDA allocated when present, else CPU peak RSS."""
+        return self.peak_allocated_bytes if self.peak_allocated_bytes is not None else self.peak_rss_bytes
+
+    @property
+    def peak_memory_kind(self) -> str:
+        if self.peak_allocated_bytes is not None:
+            return "CUDA max_memory_allocated per update"
+        if self.fresh_process:
+            return "CPU process peak RSS (fresh process)"
+        return "CPU process peak RSS (shared process: includes what ran before)"
+
+    def to_dict(self) -> dict[str, Any]:
+        def spread(s: Spread | None) -> dict[str, float] | None:
+            return None if s is None else {"median": s.median, "low": s.low, "high": s.high}
+
+        return {
+            "label": self.spec.label,
+            "micro_batch": self.spec.micro_batch,
+            "accum_steps": self.spec.accum_steps,
+            "dp": self.spec.dp,
+            "global_batch": self.plan.global_batch,
+            "status": self.status,
+            "error": self.error,
+            "runs": self.runs,
+            "runs_ok": self.runs_ok,
+            "unit": self.unit,
+            "units_per_s": spread(self.units_per_s),
+            "step_ms": spread(self.step_ms),
+            "micro_ms": self.micro_ms,
+            "sync_ms": self.sync_ms,
+            "optimizer_ms": self.optimizer_ms,
+            "tokens_per_update": self.tokens_per_update,
+            "tokens_identical_across_runs": self.tokens_identical_across_runs,
+            "updates": self.updates,
+            "skipped_updates": self.skipped_updates,
+            "skip_rate": self.skip_rate,
+            "peak_memory_kind": self.peak_memory_kind,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "allreduce_calls_per_update": self.allreduce_calls_per_update,
+            "allreduce_bytes_per_update": self.allreduce_bytes_per_update,
+            "buckets": self.buckets,
+            "per_run_units_per_s": self.per_run_units_per_s,
+            "fresh_process": self.fresh_process,
+        }
+
+
+def _median_of(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(statistics.median(present)) if present else None
+
+
+def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
+    """Median and spread of ``records`` (the runs of ``spec``, in run order)."""
+    if not records:
+        raise BenchError(f"configuration {spec.label} has no runs to summarize")
+    done: list[Measurement] = [r.measurement for r in records if r.measurement is not None]
+    problems = [r for r in records if not r.ok]
+    status: RunStatus = "ok"
+    error = None
+    for kind in ("oom", "failed", "timeout"):
+        hit = next((r for r in problems if r.status == kind), None)
+        if hit is not None:
+            status, error = hit.status, hit.error
+            break
+    first = done[0] if done else None
+    return ConfigSummary(
+        spec=spec,
+        status=status,
+        error=error,
+        runs=len(records),
+        runs_ok=len(done),
+        unit=first.unit if first else "tokens",
+        units_per_s=Spread.of([m.units_per_s for m in done]) if done else None,
+        step_ms=Spread.of([m.step_ms_median for m in done]) if done else None,
+        micro_ms=_median_of([m.micro_ms for m in done]),
+        sync_ms=_median_of([m.sync_ms for m in done]),
+        optimizer_ms=_median_of([m.optimizer_ms for m in done]),
+        tokens_per_update=list(first.tokens_per_update) if first else [],
+        tokens_identical_across_runs=all(m.tokens_per_update == done[0].tokens_per_update for m in done),
+        updates=sum(m.updates for m in done),
+        skipped_updates=sum(m.skipped_updates for m in done),
+        peak_rss_bytes=_median_of([m.peak_rss_bytes for m in done]),
+        peak_allocated_bytes=_median_of([m.peak_allocated_bytes for m in done]),
+        peak_reserved_bytes=_median_of([m.peak_reserved_bytes for m in done]),
+        gradient_bytes=first.gradient_bytes if first else None,
+        allreduce_calls_per_update=first.allreduce_calls_per_update if first else None,
+        allreduce_bytes_per_update=first.allreduce_bytes_per_update if first else None,
+        buckets=first.buckets if first else None,
+        per_run_units_per_s=[m.units_per_s for m in done],
+        fresh_process=all(m.fresh_process for m in done),
+    )

@@ -1,0 +1,222 @@
+"""The sweep: every (micro-batch, accumulation) factorization of one global batch, measured.
+
+Runs interleave across configurations (round r measures A, B, C, ... once each), so that drift in
+machine load (a neighbour's job, thermal throttling) spreads over all of them instead of landing on
+whichever ran last. Each run goes through a ``launch`` function, normally
+:func:`gradaccum.bench.runner.run_isolated` (a fresh process per configuration and run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gradaccum.bench.models import CommModel, MemoryModel, comm_model, fit_memory_model
+from gradaccum.bench.runner import Launch
+from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord, plan_label
+from gradaccum.bench.stats import ConfigSummary, summarize
+from gradaccum.plan import BatchPlan, factorizations
+
+__all__ = ["ProgressEvent", "SweepResult", "SweepSpec", "interleave", "run_specs", "run_sweep"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SweepSpec:
+    """A sweep at one fixed global batch."""
+
+    workload: str
+    """``MODULE:FUNCTION`` of the workload."""
+    global_batch: int
+    """Examples per optimizer update across all replicas: held fixed by every configuration."""
+    dp: int = 1
+    """Data-parallel replicas."""
+    plans: tuple[BatchPlan, ...] | None = None
+    """Configurations to measure; ``None``: every factorization of ``global_batch`` on ``dp``."""
+    runs: int = 3
+    """Runs per configuration."""
+    steps: int = 20
+    """Measured updates per run."""
+    warmup: int = 3
+    """Unmeasured updates at the start of each run."""
+    precision: str = "float32"
+    """Production precision (see :class:`MeasureSpec`)."""
+    defer_sync: bool = True
+    """Defer gradient sync to the last micro-batch of each update."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    threads: int | None = None
+    """Torch threads per worker process; ``None``: torch's default."""
+    bucket_cap_mb: float | None = None
+    """DDP gradient bucket size in MiB; ``None``: DDP's default."""
+    seed: int = 0
+    """Model and data seed."""
+    memory_budget_bytes: int | None = None
+    """Report the largest micro-batch the memory model predicts fits this budget."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.runs, bool) or not isinstance(self.runs, int) or self.runs < 1:
+            raise BenchError(f"runs must be a positive integer, got {self.runs!r}")
+        if self.plans is not None and len(set(self.plans)) != len(self.plans):
+            labels = [plan_label(p) for p in self.plans]
+            raise BenchError(f"the sweep lists a configuration twice: {labels}; list each once")
+        for plan in self.plans or ():
+            if plan.global_batch != self.global_batch or plan.dp != self.dp:
+                raise BenchError(
+                    f"every configuration of a sweep must reach global batch {self.global_batch} on dp="
+                    f"{self.dp}; {plan.equation()} does not. Drop it or change --global-batch/--dp."
+                )
+
+    def measure_specs(self) -> list[MeasureSpec]:
+        plans = self.plans if self.plans else tuple(factorizations(self.global_batch, dp=self.dp))
+        return [
+            MeasureSpec(
+                workload=self.workload,
+                micro_batch=p.micro_batch,
+                accum_steps=p.accum_steps,
+                dp=p.dp,
+                precision=self.precision,
+                defer_sync=self.defer_sync,
+                steps=self.steps,
+                warmup=self.warmup,
+                seed=self.seed,
+                device=self.device,
+                threads=self.threads,
+                bucket_cap_mb=self.bucket_cap_mb,
+            )
+            for p in plans
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["plans"] = None if self.plans is None else [asdict(p) for p in self.plans]
+        return data
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProgressEvent:
+    """Reported before and after each run, for progress bars."""
+
+    done: int
+    """Runs finished so far."""
+    total: int
+    """Runs in all."""
+    spec: MeasureSpec
+    """The configuration of this run."""
+    run_index: int
+    """Which of its runs (0-based)."""
+    record: RunRecord | None = None
+    """The finished run's record; ``None`` when the run is about to start."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SweepResult:
+    """Every configuration summarized, the memory and communication models, and the raw runs."""
+
+    spec: SweepSpec
+    """What was swept."""
+    configs: tuple[ConfigSummary, ...]
+    """One summary per configuration, largest micro-batch first."""
+    memory_model: MemoryModel | None
+    """The fitted memory model; ``None`` when it could not be fitted (see ``memory_model_note``)."""
+    memory_model_note: str | None
+    """Why no model was fitted, if none was."""
+    comm: tuple[CommModel | None, ...]
+    """The communication model per configuration (``None`` where the configuration failed)."""
+    largest_fitting_micro_batch: int | None
+    """The largest micro-batch the memory model predicts fits the budget (any value, extrapolated)."""
+    largest_fitting_plan: BatchPlan | None
+    """The factorization of the global batch with the largest micro-batch that fits the budget."""
+    records: tuple[RunRecord, ...] = field(default_factory=tuple)
+    """Every run, in the order it ran."""
+
+    def to_dict(self) -> dict[str, Any]:
+        mm = self.memory_model
+        return {
+            "kind": "sweep",
+            "spec": self.spec.to_dict(),
+            "configs": [c.to_dict() for c in self.configs],
+            "memory_model": None if mm is None else asdict(mm),
+            "memory_model_note": self.memory_model_note,
+            "memory_predictions_bytes": [
+                None if mm is None else mm.predict(c.spec.micro_batch) for c in self.configs
+            ],
+            "comm_model": [None if c is None else {**asdict(c), "matches": c.matches} for c in self.comm],
+            "memory_budget_bytes": self.spec.memory_budget_bytes,
+            "largest_fitting_micro_batch": self.largest_fitting_micro_batch,
+            "largest_fitting_plan": None
+            if self.largest_fitting_plan is None
+            else asdict(self.largest_fitting_plan),
+            "runs": [r.to_dict() for r in self.records],
+        }
+
+
+def interleave(specs: Sequence[MeasureSpec], runs: int) -> list[tuple[MeasureSpec, int]]:
+    """Run order: A B C, A B C, ... (each round measures every configuration once)."""
+    return [(spec, r) for r in range(runs) for spec in specs]
+
+
+def run_specs(
+    specs: Sequence[MeasureSpec],
+    runs: int,
+    launch: Launch,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+) -> list[RunRecord]:
+    """Every run of every spec, interleaved; failed runs are recorded, never raised."""
+    order = interleave(specs, runs)
+    records: list[RunRecord] = []
+    for done, (spec, r) in enumerate(order):
+        if on_progress is not None:
+            on_progress(ProgressEvent(done=done, total=len(order), spec=spec, run_index=r))
+        record = launch(spec, r)
+        records.append(record)
+        if on_progress is not None:
+            on_progress(ProgressEvent(done=done + 1, total=len(order), spec=spec, run_index=r, record=record))
+    return records
+
+
+def _memory(configs: Sequence[ConfigSummary]) -> tuple[MemoryModel | None, str | None]:
+    measured = [c for c in configs if c.ok and c.peak_memory_bytes is not None]
+    if len({c.spec.micro_batch for c in measured}) < 2:
+        return None, "needs two or more configurations with distinct micro-batches that finished"
+    kind = measured[0].peak_memory_kind
+    micro = [c.spec.micro_batch for c in measured]
+    peaks = [float(c.peak_memory_bytes or 0.0) for c in measured]
+    return fit_memory_model(micro, peaks, kind=kind), None
+
+
+def run_sweep(
+    spec: SweepSpec, launch: Launch, *, on_progress: Callable[[ProgressEvent], None] | None = None
+) -> SweepResult:
+    """Measure every configuration ``spec.runs`` times (interleaved) and fit the models."""
+    specs = spec.measure_specs()
+    records = run_specs(specs, spec.runs, launch, on_progress)
+    configs = tuple(summarize(s, [r for r in records if r.spec == s]) for s in specs)
+    model, note = _memory(configs)
+    comm = tuple(
+        None
+        if c.gradient_bytes is None
+        else comm_model(
+            c.gradient_bytes,
+            c.spec.accum_steps,
+            defer_sync=c.spec.defer_sync,
+            measured_bytes=c.allreduce_bytes_per_update,
+        )
+        for c in configs
+    )
+    largest: int | None = None
+    fitting: BatchPlan | None = None
+    if model is not None and spec.memory_budget_bytes is not None:
+        largest = model.largest_micro_batch(spec.memory_budget_bytes)
+        feasible = factorizations(spec.global_batch, dp=spec.dp)
+        fitting = next((p for p in feasible if largest is None or p.micro_batch <= largest), None)
+    return SweepResult(
+        spec=spec,
+        configs=configs,
+        memory_model=model,
+        memory_model_note=note,
+        comm=comm,
+        largest_fitting_micro_batch=largest,
+        largest_fitting_plan=fitting,
+        records=tuple(records),
+    )

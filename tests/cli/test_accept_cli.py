@@ -1,0 +1,106 @@
+"""``gradaccum accept``: refuses mismatched global batches; writes a run folder whose card replays.
+
+One test runs the real thing (fresh worker processes, as ``make run`` does, with few steps); the
+exit-code tests measure in this process instead, to stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradaccum.bench.measure import measure_safely
+from gradaccum.bench.spec import MeasureSpec, RunRecord
+from gradaccum.cli import cmd_accept
+from gradaccum.cli.cmd_bench import Launching
+from gradaccum.cli.main import main
+from gradaccum.plan import BatchPlan
+from gradaccum.runcard import read_runcard
+from gradaccum.step import Accumulator
+from gradaccum.workload import load_workload
+
+FAST = ["--steps", "2", "--warmup", "1", "--trace-steps", "2", "--threads", "1", "--no-progress"]
+FILES = {"results.json", "runcard.json", "report.md", "throughput.png", "memory.png"}
+
+
+def only_folder(root: Path) -> Path:
+    (folder,) = root.iterdir()
+    return folder
+
+
+def test_mismatched_global_batches_exit_2_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["accept", "--baseline", "8x4", "--candidate", "4x4", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "baseline 8x4 has global batch 32" in err and "candidate 4x4 has global batch 16" in err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # refused before anything ran
+    assert main(["accept", "--baseline", "8 by 4"]) == 2
+    assert "MICROxACCUM" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_accept_writes_the_run_folder_and_the_card_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["accept", "--baseline", "4x2", "--candidate", "2x4", "--out-dir", str(tmp_path), *FAST])
+    out = capsys.readouterr().out
+    assert code == 0  # a verdict on correct arithmetic, whichever it is
+    folder = only_folder(tmp_path)
+    assert {p.name for p in folder.iterdir()} == FILES
+    results = json.loads((folder / "results.json").read_text())
+    verdict = results["verdict"]
+    assert verdict["decision"] in ("ADOPT", "KEEP BASELINE") and verdict["decision"] in out
+    assert len(verdict["criteria"]) == 6 and all(c["figure"] for c in verdict["criteria"])
+    assert all(c["passed"] for c in verdict["criteria"][:5])  # all but the machine-dependent gain
+    for arm in ("baseline", "candidate"):
+        assert results[arm]["runs_ok"] == 3 and results[arm]["status"] == "ok"
+        assert results[arm]["peak_memory_kind"] == "CPU process peak RSS (fresh process)"
+    runs = results["runs"]
+    assert [r["spec"]["micro_batch"] for r in runs] == [4, 2, 4, 2, 4, 2]  # interleaved
+    assert all(r["measurement"]["fresh_process"] for r in runs)
+
+    card = read_runcard(folder / "runcard.json")
+    assert card.plan in (BatchPlan(micro_batch=4, accum_steps=2), BatchPlan(micro_batch=2, accum_steps=4))
+    assert card.verdict == verdict["decision"] and card.workload == "gradaccum.examples:tiny_gpt"
+    assert card.tokens_per_step is not None and card.tokens_per_step > 0
+    model = load_workload(card.workload).build_model()
+    acc = Accumulator.from_config(
+        model, load_workload(card.workload).optimizer_factory(model.parameters()), card.accum
+    )
+    assert acc.config == card.accum
+
+
+def in_process_launching(dp: int, timeout_s: float) -> Launching:
+    def launch(spec: MeasureSpec, run_index: int) -> RunRecord:
+        return measure_safely(load_workload(spec.workload), spec, run_index=run_index)
+
+    return Launching(launch, dp, 0, False)
+
+
+def test_require_adopt_exits_1_when_the_candidate_is_not_adopted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
+    workload = ["--workload", "tests.bench.workloads:tiny_mlp"]
+    args = ["accept", *workload, "--baseline", "4x2", "--candidate", "2x4", "--out-dir", str(tmp_path), *FAST]
+    # a 1000% margin cannot be met: KEEP BASELINE, which --require-adopt turns into exit 1
+    assert main([*args, "--margin", "10", "--require-adopt"]) == 1
+    assert "KEEP BASELINE" in capsys.readouterr().out
+    assert read_runcard(only_folder(tmp_path) / "runcard.json").plan == BatchPlan(
+        micro_batch=4, accum_steps=2
+    )
+
+
+def test_failed_equivalence_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
+    workload = ["--workload", "tests.bench.workloads:mean_mlp"]
+    args = ["accept", *workload, "--baseline", "4x2", "--candidate", "2x4", "--out-dir", str(tmp_path), *FAST]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "equivalence checks failed" in out and "KEEP BASELINE" in out

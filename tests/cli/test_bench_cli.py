@@ -1,0 +1,101 @@
+"""``gradaccum bench``: a real sweep in fresh processes; its JSON holds every figure, sanely.
+
+Few steps and one run per configuration keep it to a few seconds; the data-parallel sweep starts
+two gloo workers per configuration on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradaccum.cli.main import main
+from gradaccum.examples import tiny_gpt
+
+FAST = ["--runs", "1", "--steps", "2", "--warmup", "1", "--no-progress"]
+CONFIG_FIELDS = {
+    "label", "micro_batch", "accum_steps", "dp", "global_batch", "status", "error", "runs", "runs_ok", "unit",
+    "units_per_s", "step_ms", "micro_ms", "sync_ms", "optimizer_ms", "tokens_per_update",
+    "tokens_identical_across_runs", "updates", "skipped_updates", "skip_rate", "peak_memory_kind",
+    "peak_rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "gradient_bytes",
+    "allreduce_calls_per_update", "allreduce_bytes_per_update", "buckets", "per_run_units_per_s",
+    "fresh_process",
+}  # fmt: skip
+
+
+def expected_tokens(global_batch: int, steps: int = 2, warmup: int = 1, seed: int = 0) -> list[int]:
+    w = tiny_gpt()
+    return [int(w.count_fn(w.make_batch(global_batch, seed + 1 + warmup + u))) for u in range(steps)]
+
+
+def sweep(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    code = main(["bench", "--json", *args])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+@pytest.mark.slow
+def test_bench_sweeps_every_factorization_with_every_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = sweep(
+        ["--global-batch", "2", "--memory-budget", "4GiB", "--out-dir", str(tmp_path), *FAST], capsys
+    )
+    (folder,) = tmp_path.iterdir()
+    assert {p.name for p in folder.iterdir()} == {"results.json", "report.md", "throughput.png", "memory.png"}
+    configs = data["configs"]
+    assert [c["label"] for c in configs] == ["2x1", "1x2"]
+    want = expected_tokens(2)
+    for c in configs:
+        assert set(c) == CONFIG_FIELDS
+        assert c["status"] == "ok" and c["global_batch"] == 2 and c["fresh_process"]
+        assert c["tokens_per_update"] == want  # exact, and the same in every configuration
+        assert c["units_per_s"]["median"] > 0 and c["step_ms"]["median"] > 0
+        assert c["micro_ms"] > 0 and c["optimizer_ms"] > 0 and c["sync_ms"] is None
+        # a fresh process with torch and a tiny model: well above 10 MiB, far below 4 GiB
+        assert 10 * 1024**2 < c["peak_rss_bytes"] < 4 * 1024**3
+        assert c["peak_memory_kind"] == "CPU process peak RSS (fresh process)"
+        assert c["peak_allocated_bytes"] is None and c["allreduce_calls_per_update"] is None
+        assert c["skipped_updates"] == 0 and c["updates"] == 2
+    mm = data["memory_model"]
+    assert mm["points"] == 2 and mm["kind"] == "CPU process peak RSS (fresh process)"
+    assert data["memory_budget_bytes"] == 4 * 1024**3
+    assert len(data["memory_predictions_bytes"]) == 2
+    comm = data["comm_model"]
+    assert [m["naive_bytes"] // m["gradient_bytes"] for m in comm] == [1, 2]
+    assert all(m["deferred_bytes"] == m["gradient_bytes"] and m["measured_bytes"] is None for m in comm)
+    report = (folder / "report.md").read_text()
+    assert "## Memory model" in report and "## Communication model" in report
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("defer", [True, False])
+def test_data_parallel_bench_counts_one_all_reduce_per_bucket_or_k(
+    defer: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--dp", "2", "--global-batch", "8", "--configs", "2x2", "--out-dir", str(tmp_path), *FAST]
+    args += ["--bucket-cap-mb", "0.01"]  # ~10 KiB buckets: the tiny GPT's 124 KiB of gradients fill several
+    data = sweep([*args, *([] if defer else ["--no-defer-sync"])], capsys)
+    (c,) = data["configs"]
+    assert c["status"] == "ok", c["error"]
+    assert c["label"] == "2x2x2" and c["dp"] == 2 and c["accum_steps"] == 2
+    assert c["tokens_per_update"] == expected_tokens(8)  # both ranks' tokens: the global count
+    k = 1 if defer else 2
+    assert c["buckets"] > 1, "bucket_cap_mb is meant to force several buckets"
+    assert c["allreduce_calls_per_update"] == k * c["buckets"]  # once per bucket, k times without deferral
+    assert c["allreduce_bytes_per_update"] == k * c["gradient_bytes"]
+    assert c["sync_ms"] is not None
+    (comm,) = data["comm_model"]
+    assert comm["measured_bytes"] == (comm["deferred_bytes"] if defer else comm["naive_bytes"])
+    assert comm["matches"] is True
+
+
+def test_bench_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--global-batch", "8", "--configs", "3x2"]) == 2
+    assert "global batch 8" in capsys.readouterr().err
+    assert main(["bench", "--memory-budget", "lots"]) == 2
+    assert "memory size" in capsys.readouterr().err
