@@ -1,0 +1,117 @@
+"""What one training run is: a frozen record the CLI builds and :func:`gradaccum.train.train` runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from gradaccum.config import AccumConfig
+from gradaccum.errors import GradAccumError
+from gradaccum.plan import BatchPlan
+from gradaccum.train.schedule import ScheduleConfig
+
+__all__ = [
+    "DEFAULT_WORKLOAD",
+    "OptimizerName",
+    "Precision",
+    "TrainConfig",
+    "TrainError",
+]
+
+DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
+
+Precision = Literal["float64", "float32", "bfloat16", "float16"]
+"""``float64``/``float32``: the model in that dtype. ``bfloat16``: float32 weights under autocast.
+``float16``: float32 weights under autocast with a GradScaler (skipped steps counted)."""
+
+OptimizerName = Literal["adamw", "sgd", "workload"]
+"""``adamw``/``sgd``: built with ``lr`` and ``weight_decay``. ``workload``: the workload's own
+``optimizer_factory``; its groups' learning rates are the schedule's peak."""
+
+_PRECISIONS = ("float64", "float32", "bfloat16", "float16")
+_OPTIMIZERS = ("adamw", "sgd", "workload")
+
+
+class TrainError(GradAccumError, ValueError):
+    """A training run that cannot start or continue as configured."""
+
+
+def _positive(name: str, value: object, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TrainError(
+            f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One training run. ``None`` means unset; the run's length is ``steps`` and/or ``tokens``."""
+
+    plan: BatchPlan
+    """Micro-batch, data-parallel degree (must equal the world size) and accumulation steps."""
+    run_dir: Path
+    """Where the run card, metrics, loss curve and checkpoints go (rank 0 writes the records)."""
+    workload: str = DEFAULT_WORKLOAD
+    """``MODULE:FUNCTION`` of the workload; recorded in the run card and checkpoints."""
+    steps: int | None = None
+    """Stop after this many windows (optimizer boundaries, skipped ones included)."""
+    tokens: int | None = None
+    """Stop at the first boundary where this many valid units have been consumed."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Warmup + cosine or constant, and the clock they advance on."""
+    optimizer: OptimizerName = "adamw"
+    """Which optimizer to build."""
+    lr: float = 1e-2
+    """Peak learning rate (``adamw``/``sgd``); the schedule multiplies it by its factor."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (``adamw``) or L2 penalty (``sgd``)."""
+    precision: Precision = "float32"
+    """Compute precision; see :data:`Precision`."""
+    accum: AccumConfig = field(
+        default_factory=lambda: AccumConfig(max_grad_norm=1.0, track_grad_norm=True, max_consecutive_skips=10)
+    )
+    """The Accumulator's settings: clipping, skip policy, consecutive-skip limit."""
+    seed: int = 0
+    """Selects the data stream (see :mod:`gradaccum.train.data`) and seeds torch's RNG (dropout)."""
+    device: str = "cpu"
+    """``cpu``, ``cuda`` or ``cuda:N``; the CLI picks ``cuda:LOCAL_RANK`` under torchrun."""
+    fsdp: bool = False
+    """Shard with FSDP2 ``fully_shard`` instead of replicating with DDP (multi-process runs)."""
+    checkpoint_every: int | None = None
+    """Checkpoint every this many windows; ``None``: only at the end and on request."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk; older ones are deleted after a newer one is complete."""
+    eval_every: int | None = None
+    """Evaluate (no grad, eval mode) every this many windows; ``None``: never."""
+    eval_examples: int = 64
+    """Held-out examples per evaluation, split across the data-parallel ranks."""
+    resume: Path | None = None
+    """A checkpoint folder, or a run folder (its latest checkpoint), to continue from."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, BatchPlan):
+            raise TrainError(f"plan must be a BatchPlan, got {type(self.plan).__name__}")
+        _positive("steps", self.steps)
+        _positive("tokens", self.tokens)
+        if self.steps is None and self.tokens is None:
+            raise TrainError("a run needs a length: set steps (windows) or tokens (valid units), or both")
+        _positive("checkpoint_every", self.checkpoint_every)
+        _positive("eval_every", self.eval_every)
+        _positive("keep_checkpoints", self.keep_checkpoints, allow_none=False)
+        _positive("eval_examples", self.eval_examples, allow_none=False)
+        if self.precision not in _PRECISIONS:
+            raise TrainError(f"precision must be one of {_PRECISIONS}, got {self.precision!r}")
+        if self.optimizer not in _OPTIMIZERS:
+            raise TrainError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise TrainError(f"lr must be a positive number, got {self.lr!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            raise TrainError(f"weight_decay must be a non-negative number, got {self.weight_decay!r}")
+        if self.precision == "float16" and not self.accum.skip_nonfinite:
+            raise TrainError(
+                "precision float16 needs accum.skip_nonfinite=True: an overflowed window must be skipped "
+                "on every rank and counted, not applied"
+            )

@@ -1,0 +1,154 @@
+"""The training data stream: deterministic global batches, sharded contiguously across ranks.
+
+Window ``w`` (the micro-batches of the ``w``-th optimizer boundary) is the global batch
+``make_batch(global_batch, train_seed(seed, w))``. Rank ``r`` of ``dp`` takes its contiguous
+``local_batch = micro_batch x accum_steps`` examples ``[r * local_batch, (r + 1) * local_batch)`` and
+cuts them into ``accum_steps`` consecutive micro-batches. So:
+
+* one process and ``dp`` processes at the same global batch see the same examples in every window,
+  which is what makes their parameters equal;
+* the data position is just ``(window, micro-batch)``; checkpoints are taken at boundaries, so it
+  is ``(window, 0)``, and a resumed run draws exactly the next unseen window, with no sampler state
+  and nothing to fast-forward;
+* every rank can count the whole window's valid units locally (``count_fn`` of the global batch),
+  which the tokens clock needs before the update, without an extra collective.
+
+Each rank draws the whole global batch and keeps its shard: for workloads whose ``make_batch`` is
+expensive, build a workload whose batches are cheap index lists and load inside ``loss_fn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradaccum.batching import Batch, batch_size, split, take, to_device
+from gradaccum.plan import BatchPlan
+from gradaccum.step import CountFn
+from gradaccum.train.config import TrainError
+
+__all__ = [
+    "DataPosition",
+    "ShardedStream",
+    "Window",
+    "cast_floating",
+    "eval_seed",
+    "shard_bounds",
+    "train_seed",
+]
+
+_SEED_STRIDE = 2**32
+_EVAL_OFFSET = 2**31
+
+
+def train_seed(seed: int, window: int) -> int:
+    """The ``make_batch`` seed of training window ``window`` (never 0, the verification seed)."""
+    return seed * _SEED_STRIDE + 1 + window
+
+
+def eval_seed(seed: int, index: int) -> int:
+    """The ``make_batch`` seed of evaluation batch ``index``: disjoint from every training window."""
+    return seed * _SEED_STRIDE + _EVAL_OFFSET + index
+
+
+def shard_bounds(plan: BatchPlan, rank: int) -> tuple[int, int]:
+    """Examples ``[start, stop)`` of each global batch that data-parallel rank ``rank`` trains on."""
+    if not 0 <= rank < plan.dp:
+        raise TrainError(f"rank {rank} is outside the plan's dp={plan.dp} data-parallel ranks")
+    return rank * plan.local_batch, (rank + 1) * plan.local_batch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataPosition:
+    """Where the stream stands: the next window to draw and the next micro-batch within it."""
+
+    window: int
+    """Windows fully consumed (applied or skipped); the next one drawn has this index."""
+    micro_batch: int = 0
+    """Micro-batches of that window already consumed; 0 at every optimizer boundary."""
+
+    def to_dict(self) -> dict[str, int]:
+        return {"window": self.window, "micro_batch": self.micro_batch}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Window:
+    """One optimizer boundary's data on this rank."""
+
+    index: int
+    """The window's index in the stream."""
+    micro_batches: list[Batch]
+    """This rank's ``accum_steps`` micro-batches, on the training device."""
+    global_count: int
+    """Valid units in the whole global batch (all ranks): the window's N."""
+
+
+def cast_floating(batch: Batch, dtype: torch.dtype) -> Batch:
+    """``batch`` with its floating tensors cast to ``dtype`` (integer ids and labels untouched)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {key: cast_floating(value, dtype) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        items = [cast_floating(value, dtype) for value in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+class ShardedStream:
+    """Draws windows for one rank; stateless, so any window can be drawn in any order."""
+
+    def __init__(
+        self,
+        make_batch: Any,
+        count_fn: CountFn,
+        plan: BatchPlan,
+        *,
+        rank: int,
+        seed: int,
+        device: torch.device,
+        float_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.make_batch = make_batch
+        self.count_fn = count_fn
+        self.plan = plan
+        self.rank = rank
+        self.seed = seed
+        self.device = device
+        self.float_dtype = float_dtype
+        self.start, self.stop = shard_bounds(plan, rank)
+
+    def window(self, index: int) -> Window:
+        """Window ``index``: this rank's micro-batches and the global batch's valid count."""
+        full = self.make_batch(self.plan.global_batch, train_seed(self.seed, index))
+        drawn = batch_size(full)
+        if drawn != self.plan.global_batch:
+            raise TrainError(
+                f"make_batch({self.plan.global_batch}, seed) returned {drawn} examples; the workload "
+                "must return exactly the number of examples asked for"
+            )
+        global_count = int(torch.as_tensor(self.count_fn(full)))
+        local = self._prepare(take(full, self.start, self.stop))
+        return Window(
+            index=index,
+            micro_batches=split(local, micro_batch=self.plan.micro_batch),
+            global_count=global_count,
+        )
+
+    def eval_batches(self, examples: int) -> list[Batch]:
+        """This rank's share of the held-out batch, cut into micro-batches.
+
+        ``examples`` is rounded up to a multiple of ``dp`` so that every rank runs the same number
+        of forwards (FSDP2 gathers parameters in each one; unequal counts would hang).
+        """
+        per_rank = -(-examples // self.plan.dp)
+        full = self.make_batch(per_rank * self.plan.dp, eval_seed(self.seed, 0))
+        local = self._prepare(take(full, self.rank * per_rank, (self.rank + 1) * per_rank))
+        step = self.plan.micro_batch
+        return [take(local, i, min(i + step, per_rank)) for i in range(0, per_rank, step)]
+
+    def _prepare(self, batch: Batch) -> Batch:
+        batch = to_device(batch, self.device)
+        return cast_floating(batch, self.float_dtype) if self.float_dtype is not None else batch

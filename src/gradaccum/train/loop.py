@@ -1,0 +1,390 @@
+"""The training loop, built on :class:`gradaccum.Accumulator`, on one process or many.
+
+Per window (one optimizer boundary):
+
+1. draw window ``w`` of the deterministic stream; every rank knows its global count N;
+2. set the learning rate from the schedule's clock after this update (steps: applied + 1;
+   tokens: consumed + N), recomputed from the counters, never from a scheduler's own count;
+3. ``Accumulator.step``: the exact update (or a skip on every rank, which advances no clock);
+4. update the counters, report, evaluate if due;
+5. agree across ranks on pending checkpoint/stop requests, and checkpoint at this boundary if a
+   request, the periodic cadence or the end of the run calls for it.
+
+Requests from signal handlers (:class:`TrainControl`) are only read at step 5, so a request that
+arrives mid-window is served at the next boundary; requests are counted, never cleared blindly, so
+none is lost. The loop prints nothing: it hands records to ``on_event``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gradaccum import dist
+from gradaccum.runcard import RunCard, environment, write_runcard
+from gradaccum.step import Accumulator, CountFn, LossFn, StepResult
+from gradaccum.train.build import build_model, build_optimizer, build_scaler, precision_loss
+from gradaccum.train.checkpoint import TrainProgress, latest_checkpoint, load_checkpoint, save_checkpoint
+from gradaccum.train.config import TrainConfig, TrainError
+from gradaccum.train.data import ShardedStream
+from gradaccum.train.evaluate import evaluate
+from gradaccum.train.records import (
+    CheckpointRecord,
+    EvalRecord,
+    Recorder,
+    StepRecord,
+    TrainEvent,
+    TrainStart,
+)
+from gradaccum.train.schedule import Schedule, apply_lr, resolve_schedule
+from gradaccum.workload import Workload, load_workload
+
+__all__ = ["RUNCARD_FILE", "TrainControl", "TrainResult", "train"]
+
+RUNCARD_FILE = "runcard.json"
+
+
+class TrainControl:
+    """Checkpoint and stop requests from outside the loop, served at the next optimizer boundary.
+
+    Safe to call from a signal handler: each request only increments a counter.
+    """
+
+    def __init__(self) -> None:
+        self.checkpoint_requests = 0
+        self.stop_requests = 0
+        self._served_checkpoints = 0
+
+    def request_checkpoint(self) -> None:
+        """Checkpoint at the next boundary and carry on."""
+        self.checkpoint_requests += 1
+
+    def request_stop(self) -> None:
+        """Checkpoint at the next boundary and end the run there."""
+        self.stop_requests += 1
+
+    def take(self) -> tuple[bool, bool]:
+        """(checkpoint requested since the last take, stop requested); called at boundaries."""
+        seen = self.checkpoint_requests
+        wants_checkpoint = seen > self._served_checkpoints
+        self._served_checkpoints = seen
+        return wants_checkpoint, self.stop_requests > 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainResult:
+    """How a run (or this segment of a resumed run) ended."""
+
+    run_dir: Path
+    """The run folder."""
+    progress: TrainProgress
+    """Counters at the end: windows, applied and skipped steps, consumed and seen tokens."""
+    first_loss: float | None
+    """Loss of this segment's first applied window."""
+    last_loss: float | None
+    """Loss of its last applied window."""
+    eval_loss: float | None
+    """The last evaluation's loss (None without evaluation)."""
+    lr: float
+    """The learning rate of the last window."""
+    loss_scale: float | None
+    """The GradScaler's final scale (float16 only)."""
+    stopped: str
+    """``completed`` (reached steps/tokens) or ``stop requested``."""
+    checkpoints: tuple[Path, ...]
+    """Checkpoint folders written by this segment, in order."""
+    resumed_from: Path | None
+    """The checkpoint this segment continued from."""
+    wall_s: float
+    """Wall time of this segment's windows."""
+    tokens_per_s: float
+    """Valid units seen per second of that wall time."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _Session:
+    """What a run holds while it trains; built once by :func:`_setup`."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    acc: Accumulator
+    stream: ShardedStream
+    schedule: Schedule
+    loss_fn: LossFn
+    count_fn: CountFn
+    device: torch.device
+    progress: TrainProgress
+    resumed_from: Path | None
+    checkpoint_schedule: dict[str, Any] | None
+    tokens_per_step: int
+    eval_batches: list[Any]
+
+
+def _setup(config: TrainConfig, workload: Workload) -> _Session:
+    """Model, optimizer, scaler and data for this rank; restored from a checkpoint when resuming."""
+    world, rank = dist.world_size(), dist.rank()
+    if config.plan.dp != world:
+        raise TrainError(
+            f"the plan has dp={config.plan.dp} data-parallel replicas but {world} process(es) are "
+            f"running; launch {config.plan.dp} processes or solve the plan for dp={world}"
+        )
+    if config.resume is None and latest_checkpoint(config.run_dir) is not None:
+        raise TrainError(
+            f"run folder {config.run_dir} already holds checkpoints of an earlier run; continue it with "
+            "resume (--resume), or train into a new folder (--run-dir)"
+        )
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)  # dropout and other model randomness; the data has its own seeds
+    model = build_model(workload, config, device)
+    optimizer = build_optimizer(config, workload, model)
+    apply_lr(optimizer, 1.0)  # records each group's peak as initial_lr before any state is loaded
+    scaler = build_scaler(config, device)
+    stream = ShardedStream(
+        workload.make_batch,
+        workload.count_fn,
+        config.plan,
+        rank=rank,
+        seed=config.seed,
+        device=device,
+        float_dtype=torch.float64 if config.precision == "float64" else None,
+    )
+    progress, resumed_from, checkpoint_schedule = TrainProgress(), None, None
+    if config.resume is not None:
+        progress, meta = load_checkpoint(
+            config.resume,
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            plan=config.plan,
+            precision=config.precision,
+        )
+        resumed_from, checkpoint_schedule = Path(meta["path"]), meta.get("schedule")
+    tokens_per_step = stream.window(0).global_count
+    schedule = resolve_schedule(
+        config.schedule, steps=config.steps, tokens=config.tokens, tokens_per_step=tokens_per_step
+    )
+    acc = Accumulator.from_config(model, optimizer, config.accum, scaler=scaler)
+    acc.steps_applied, acc.steps_skipped = progress.steps_applied, progress.steps_skipped
+    acc.consecutive_skips = progress.consecutive_skips
+    return _Session(
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        acc=acc,
+        stream=stream,
+        schedule=schedule,
+        loss_fn=precision_loss(workload.loss_fn, config.precision, device),
+        count_fn=workload.count_fn,
+        device=device,
+        progress=progress,
+        resumed_from=resumed_from,
+        checkpoint_schedule=checkpoint_schedule if checkpoint_schedule != schedule.to_dict() else None,
+        tokens_per_step=tokens_per_step,
+        eval_batches=stream.eval_batches(config.eval_examples) if config.eval_every else [],
+    )
+
+
+def _train_window(s: _Session) -> StepRecord:
+    """One optimizer boundary: learning rate from the clock, the exact step, the counters."""
+    t0 = time.perf_counter()
+    p = s.progress
+    window = s.stream.window(p.windows)
+    clock_after = (
+        p.steps_applied + 1 if s.schedule.clock == "steps" else p.tokens_consumed + window.global_count
+    )
+    lr = apply_lr(s.optimizer, s.schedule.factor(clock_after))
+    result = s.acc.step(window.micro_batches, s.loss_fn, s.count_fn)
+    if result.global_count != window.global_count:
+        raise TrainError(
+            f"count_fn counts {window.global_count} units in window {window.index}'s global batch but "
+            f"{result.global_count} over its micro-batches: count_fn must add up over examples "
+            "(count valid tokens or examples, not a per-batch statistic)"
+        )
+    s.progress = _advance(p, result, s.acc)
+    elapsed = time.perf_counter() - t0
+    n = result.global_count
+    return StepRecord(
+        window=window.index,
+        step=s.progress.steps_applied,
+        loss=result.loss,
+        grad_norm=result.grad_norm,
+        lr=lr,
+        tokens=s.progress.tokens_consumed,
+        window_tokens=n,
+        applied=result.applied,
+        skipped=s.progress.steps_skipped,
+        skip_reason=result.skip_reason,
+        loss_scale=float(s.scaler.get_scale()) if s.scaler is not None else None,
+        step_time_ms=elapsed * 1e3,
+        tokens_per_s=n / elapsed if elapsed > 0 else 0.0,
+    )
+
+
+def _advance(p: TrainProgress, result: StepResult, acc: Accumulator) -> TrainProgress:
+    """The counters after one window; a skipped window's tokens are seen but not consumed."""
+    n = result.global_count
+    return replace(
+        p,
+        windows=p.windows + 1,
+        steps_applied=acc.steps_applied,
+        steps_skipped=acc.steps_skipped,
+        consecutive_skips=acc.consecutive_skips,
+        tokens_consumed=p.tokens_consumed + (n if result.applied else 0),
+        tokens_seen=p.tokens_seen + n,
+    )
+
+
+def _agree(flags: tuple[bool, bool], device: torch.device) -> tuple[bool, bool]:
+    """Every rank's requests, OR-ed: all ranks checkpoint and stop at the same boundary."""
+    if not dist.is_distributed():
+        return flags
+    total = dist.all_reduce_sum_(torch.tensor([float(f) for f in flags], device=device)).tolist()
+    return total[0] > 0, total[1] > 0
+
+
+def _checkpoint_reason(
+    config: TrainConfig, windows: int, *, finished: bool, stop: bool, asked: bool
+) -> str | None:
+    periodic = config.checkpoint_every is not None and windows % config.checkpoint_every == 0
+    for reason, due in (("final", finished), ("stop", stop), ("requested", asked), ("periodic", periodic)):
+        if due:
+            return reason
+    return None
+
+
+def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None:
+    card = RunCard(
+        workload=config.workload,
+        plan=config.plan,
+        accum=config.accum,
+        precision=config.precision,
+        denominator=workload.unit,
+        tokens_per_step=s.tokens_per_step,
+        seed=config.seed,
+        **environment(s.device),
+        extra={
+            "schedule": s.schedule.to_dict(),
+            "train": {
+                "steps": config.steps,
+                "tokens": config.tokens,
+                "optimizer": config.optimizer,
+                "lr": config.lr,
+                "weight_decay": config.weight_decay,
+                "fsdp": config.fsdp,
+                "data": "window w = make_batch(global_batch, seed * 2**32 + 1 + w); rank r takes "
+                "examples [r * local_batch, (r + 1) * local_batch)",
+                "resumed_from": str(s.resumed_from) if s.resumed_from is not None else None,
+            },
+        },
+    )
+    write_runcard(card, config.run_dir / RUNCARD_FILE)
+
+
+def train(
+    config: TrainConfig,
+    *,
+    workload: Workload | None = None,
+    control: TrainControl | None = None,
+    on_event: Callable[[TrainEvent], None] | None = None,
+) -> TrainResult:
+    """Train ``config`` (resuming from ``config.resume`` if set); collective on every rank.
+
+    ``workload`` overrides loading ``config.workload`` (tests pass instrumented ones). ``on_event``
+    receives every record on every rank; only rank 0 writes the run folder.
+    """
+    workload = workload if workload is not None else load_workload(config.workload)
+    control = control if control is not None else TrainControl()
+    s = _setup(config, workload)
+    writer = dist.rank() == 0
+    if writer:
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        _write_runcard(config, workload, s)
+    emit = Recorder(
+        config.run_dir if writer else None,
+        on_event,
+        resume_window=s.progress.windows if s.resumed_from is not None else None,
+    )
+    emit(
+        TrainStart(
+            equation=config.plan.equation(),
+            world=dist.world_size(),
+            device=str(s.device),
+            schedule=s.schedule.to_dict(),
+            tokens_per_step=s.tokens_per_step,
+            start_window=s.progress.windows,
+            total_windows=config.steps,
+            resumed_from=str(s.resumed_from) if s.resumed_from is not None else None,
+            checkpoint_schedule=s.checkpoint_schedule,
+            run_dir=str(config.run_dir),
+        )
+    )
+    meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}
+
+    def done() -> bool:
+        p = s.progress
+        return (config.steps is not None and p.windows >= config.steps) or (
+            config.tokens is not None and p.tokens_consumed >= config.tokens
+        )
+
+    losses: list[float] = []
+    checkpoints: list[Path] = []
+    eval_loss: float | None = None
+    lr = float(s.optimizer.param_groups[0]["lr"])
+    stopped = "completed"
+    started, seen_at_start = time.perf_counter(), s.progress.tokens_seen
+    try:
+        while not done():
+            record = _train_window(s)
+            lr = record.lr
+            if record.applied and record.loss is not None:
+                losses.append(record.loss)
+            emit(record)
+            finished, p = done(), s.progress
+            if config.eval_every and (p.windows % config.eval_every == 0 or finished):
+                eval_loss, count = evaluate(s.model, s.eval_batches, s.loss_fn, s.count_fn, device=s.device)
+                emit(
+                    EvalRecord(window=p.windows, step=p.steps_applied, eval_loss=eval_loss, eval_tokens=count)
+                )
+            asked, stop = _agree(control.take(), s.device)
+            reason = _checkpoint_reason(config, p.windows, finished=finished, stop=stop, asked=asked)
+            if reason is not None:
+                path = save_checkpoint(
+                    config.run_dir,
+                    model=s.model,
+                    optimizer=s.optimizer,
+                    scaler=s.scaler,
+                    progress=p,
+                    plan=config.plan,
+                    meta=meta,
+                    keep=config.keep_checkpoints,
+                    device=s.device,
+                )
+                checkpoints.append(path)
+                emit(CheckpointRecord(window=p.windows, step=p.steps_applied, path=str(path), reason=reason))
+            if stop and not finished:
+                stopped = "stop requested"
+                break
+    finally:
+        emit.close()  # on every exit: the records and the curve show what stopped a run too
+    wall_s = time.perf_counter() - started
+    return TrainResult(
+        run_dir=config.run_dir,
+        progress=s.progress,
+        first_loss=losses[0] if losses else None,
+        last_loss=losses[-1] if losses else None,
+        eval_loss=eval_loss,
+        lr=lr,
+        loss_scale=float(s.scaler.get_scale()) if s.scaler is not None else None,
+        stopped=stopped,
+        checkpoints=tuple(checkpoints),
+        resumed_from=s.resumed_from,
+        wall_s=wall_s,
+        tokens_per_s=(s.progress.tokens_seen - seen_at_start) / wall_s if wall_s > 0 else 0.0,
+    )

@@ -1,0 +1,259 @@
+"""What a run reports: one record per window, evaluation and checkpoint; metrics JSONL; a loss curve.
+
+The loop hands every record to the caller's callback (the CLI renders a progress bar from them) and,
+on rank 0, appends it to ``metrics.jsonl`` in the run folder, one JSON object per line, flushed as
+it is written so a crashed run keeps its history. A resumed run first drops the lines of windows
+after its checkpoint (they are about to be trained again).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any, TypeAlias
+
+from gradaccum.runcard import atomic_write_text
+
+__all__ = [
+    "LOSS_PNG",
+    "METRICS_FILE",
+    "CheckpointRecord",
+    "EvalRecord",
+    "MetricsLog",
+    "Recorder",
+    "StepRecord",
+    "TrainEvent",
+    "TrainStart",
+    "plot_loss",
+    "read_metrics",
+]
+
+METRICS_FILE = "metrics.jsonl"
+LOSS_PNG = "loss.png"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainStart:
+    """Sent once, after the model, data and any checkpoint are ready and before the first window."""
+
+    equation: str
+    """The batch equation of the run's plan."""
+    world: int
+    """Processes in the job (the plan's dp)."""
+    device: str
+    """The training device of rank 0."""
+    schedule: dict[str, Any]
+    """The resolved schedule, its clock and skipped-update policy."""
+    tokens_per_step: int
+    """Valid units in the first window's global batch (the estimate horizons are converted with)."""
+    start_window: int
+    """The first window this run trains (0, or the resumed data position)."""
+    total_windows: int | None
+    """Windows the run will train in all, when its length is given in steps."""
+    resumed_from: str | None
+    """The checkpoint folder the run continued from."""
+    checkpoint_schedule: dict[str, Any] | None
+    """The resumed checkpoint's schedule when it differs from this run's (e.g. a longer run moves
+    a derived horizon); the learning rate follows this run's schedule from the resumed boundary."""
+    run_dir: str
+    """The run folder."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepRecord:
+    """One window: what the optimizer step did, and the counters after it."""
+
+    window: int
+    """Index of the window in the data stream."""
+    step: int
+    """Optimizer updates applied so far (the steps clock)."""
+    loss: float | None
+    """The window's mean loss over its global count; None for a window with no valid units."""
+    grad_norm: float | None
+    """Pre-clip global gradient norm (None when skipped)."""
+    lr: float
+    """Learning rate of the first parameter group for this window."""
+    tokens: int
+    """Valid units consumed by applied updates so far (the tokens clock)."""
+    window_tokens: int
+    """Valid units in this window, all ranks."""
+    applied: bool
+    """Whether the update was applied."""
+    skipped: int
+    """Skipped updates so far."""
+    skip_reason: str | None
+    """Why this window's update was skipped."""
+    loss_scale: float | None
+    """The GradScaler's scale after the step (float16 only)."""
+    step_time_ms: float
+    """Wall time of the window, from drawing its data to the end of the optimizer step."""
+    tokens_per_s: float
+    """This window's valid units divided by its wall time."""
+    kind: str = "step"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalRecord:
+    """One evaluation (no grad, eval mode) at an optimizer boundary."""
+
+    window: int
+    """Windows done when it ran."""
+    step: int
+    """Applied updates when it ran."""
+    eval_loss: float | None
+    """Mean loss over the held-out examples' valid units (all ranks); None if they hold none."""
+    eval_tokens: int
+    """Valid units evaluated, all ranks."""
+    kind: str = "eval"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointRecord:
+    """A checkpoint written at an optimizer boundary."""
+
+    window: int
+    """Windows done: the resumed run starts with this window."""
+    step: int
+    """Applied updates."""
+    path: str
+    """The checkpoint folder."""
+    reason: str
+    """``periodic``, ``requested``, ``stop`` or ``final``."""
+    kind: str = "checkpoint"
+
+
+TrainEvent: TypeAlias = TrainStart | StepRecord | EvalRecord | CheckpointRecord
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/inf; a skipped window's non-finite figures are written as null
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLog:
+    """Appends records to ``metrics.jsonl``; ``resume_window`` drops lines of windows >= it first."""
+
+    def __init__(self, path: Path, *, resume_window: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_window is not None and self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and _window_of(line) < resume_window
+            ]
+            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+        elif resume_window is None:
+            self.path.write_text("", encoding="utf-8")
+        self._handle: IO[str] | None = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: StepRecord | EvalRecord | CheckpointRecord) -> None:
+        if self._handle is None:
+            raise ValueError(f"metrics log {self.path} is closed")
+        data = {key: _clean(value) for key, value in asdict(record).items()}
+        self._handle.write(json.dumps(data) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class Recorder:
+    """Hands every event to the caller's callback and, on the writing rank, to the run's records.
+
+    ``run_dir`` None: a rank that writes nothing. Closing draws the loss curve when matplotlib
+    (the ``cli`` extra) is installed; the core needs torch alone, so without it only the metrics
+    are written.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | None,
+        on_event: Callable[[TrainEvent], None] | None,
+        *,
+        resume_window: int | None = None,
+    ) -> None:
+        self.run_dir = run_dir
+        self.on_event = on_event
+        self.metrics = (
+            MetricsLog(run_dir / METRICS_FILE, resume_window=resume_window) if run_dir is not None else None
+        )
+
+    def __call__(self, event: TrainEvent) -> None:
+        if self.metrics is not None and not isinstance(event, TrainStart):
+            self.metrics.write(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def close(self) -> None:
+        if self.metrics is not None and self.run_dir is not None:
+            self.metrics.close()
+            self.metrics = None
+            if importlib.util.find_spec("matplotlib") is not None:
+                plot_loss(self.run_dir / METRICS_FILE, self.run_dir / LOSS_PNG)
+
+
+def _window_of(line: str) -> int:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:  # a line cut short by a crash
+        return 1 << 62
+    # a step record's window is the window it trained; eval/checkpoint records count windows done
+    window = int(record.get("window", 0))
+    return window if record.get("kind") == "step" else window - 1
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``, skipping a final line cut short by a crash."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def plot_loss(metrics_path: Path, png_path: Path) -> Path | None:
+    """Draw training (and evaluation) loss per optimizer boundary; None if there is nothing to draw.
+
+    matplotlib is imported here, not at module import, and drawn on an Agg canvas without pyplot,
+    so training never needs a display or touches global plotting state.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = read_metrics(metrics_path)
+    steps = [r for r in records if r.get("kind") == "step" and r.get("loss") is not None]
+    if not steps:
+        return None
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("eval_loss") is not None]
+    figure = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    axes.plot([r["window"] + 1 for r in steps], [r["loss"] for r in steps], label="train loss", lw=1)
+    if evals:
+        axes.plot([r["window"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    skipped = [r for r in records if r.get("kind") == "step" and not r.get("applied")]
+    for r in skipped:
+        axes.axvline(r["window"] + 1, color="red", alpha=0.3, lw=0.8)
+    axes.set_xlabel("optimizer boundary (window)")
+    axes.set_ylabel("mean loss per valid unit")
+    title = "training loss"
+    if skipped:
+        title += f" ({len(skipped)} skipped updates in red)"
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    png_path = Path(png_path)
+    figure.savefig(png_path)
+    return png_path
