@@ -1,15 +1,39 @@
 """gradaccum: exact, verified and measured gradient accumulation for PyTorch.
 
-The core (:class:`Accumulator`, :class:`BatchPlan`) needs torch alone; the command line adds
-``rich`` and ``matplotlib``.
+The library (:class:`Accumulator`, :class:`BatchPlan`, :func:`verify`, :func:`scan`, :func:`guard`,
+:class:`CachedAccumulator`, the measurement and training code) needs torch alone; the command line
+adds ``rich``, and plots add ``matplotlib``. ``gradaccum.train.train`` and ``gradaccum.bench`` stay in
+their subpackages' namespaces (``gradaccum.verify`` here is the function; its module is
+``gradaccum.verify`` in ``sys.modules`` and is imported as ``from gradaccum.verify import ...``).
 """
 
 from __future__ import annotations
 
 from gradaccum.batching import batch_size, split
+from gradaccum.bench import (
+    AcceptResult,
+    AcceptSpec,
+    BenchError,
+    CommModel,
+    Measurement,
+    MeasureSpec,
+    MemoryModel,
+    SweepResult,
+    SweepSpec,
+    Verdict,
+    comm_model,
+    decide,
+    fit_memory_model,
+    measure,
+    run_accept,
+    run_sweep,
+)
+from gradaccum.cache import CachedAccumulator, cached_candidate, cached_candidate_for
+from gradaccum.dist import CollectiveError
 from gradaccum.errors import (
     ConfigMismatchError,
     CountError,
+    CountTypeError,
     EquivalenceError,
     GradAccumError,
     LossError,
@@ -20,46 +44,120 @@ from gradaccum.errors import (
     WindowError,
     WorkloadError,
 )
+from gradaccum.faults import RankFailedError, UnusedParameterError, WindowOutOfMemoryError
+from gradaccum.guard_rules import GUARD_RULES, GuardConfig, GuardError, GuardFinding, GuardWarning
+from gradaccum.hazards import Finding, scan
 from gradaccum.loss import IGNORE_INDEX, count_examples, count_tokens, summed_cross_entropy, valid_tokens
 from gradaccum.norms import grad_norm
+from gradaccum.oom import AdaptiveMicroBatch, step_adaptive
 from gradaccum.plan import BatchPlan, PlanComparison, compare_plans, factorizations, windows
+from gradaccum.replay import CacheError
+from gradaccum.runcard import RunCard, read_runcard, write_runcard
+from gradaccum.sanitizer import Guard, guard
 from gradaccum.step import AccumConfig, Accumulator, StepResult
 from gradaccum.sync import no_grad_sync, sync_kind
+from gradaccum.train import (
+    CheckpointError,
+    ScheduleConfig,
+    TrainConfig,
+    TrainControl,
+    TrainError,
+    TrainResult,
+)
+from gradaccum.verify import (
+    EquivalenceReport,
+    Tolerance,
+    TraceReport,
+    compare_traces,
+    verify,
+    verify_workload,
+)
 from gradaccum.workload import Workload, load_workload
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GUARD_RULES",
     "IGNORE_INDEX",
+    "AcceptResult",
+    "AcceptSpec",
     "AccumConfig",
     "Accumulator",
+    "AdaptiveMicroBatch",
     "BatchPlan",
+    "BenchError",
+    "CacheError",
+    "CachedAccumulator",
+    "CheckpointError",
+    "CollectiveError",
+    "CommModel",
     "ConfigMismatchError",
     "CountError",
+    "CountTypeError",
     "EquivalenceError",
+    "EquivalenceReport",
+    "Finding",
     "GradAccumError",
+    "Guard",
+    "GuardConfig",
+    "GuardError",
+    "GuardFinding",
+    "GuardWarning",
     "LossError",
+    "MeasureSpec",
+    "Measurement",
+    "MemoryModel",
     "PlanComparison",
     "PlanError",
+    "RankFailedError",
+    "RunCard",
     "RunCardError",
+    "ScheduleConfig",
     "StepResult",
+    "SweepResult",
+    "SweepSpec",
     "SyncError",
+    "Tolerance",
     "TooManySkipsError",
+    "TraceReport",
+    "TrainConfig",
+    "TrainControl",
+    "TrainError",
+    "TrainResult",
+    "UnusedParameterError",
+    "Verdict",
     "WindowError",
+    "WindowOutOfMemoryError",
     "Workload",
     "WorkloadError",
     "__version__",
     "batch_size",
+    "cached_candidate",
+    "cached_candidate_for",
+    "comm_model",
     "compare_plans",
+    "compare_traces",
     "count_examples",
     "count_tokens",
+    "decide",
     "factorizations",
+    "fit_memory_model",
     "grad_norm",
+    "guard",
     "load_workload",
+    "measure",
     "no_grad_sync",
+    "read_runcard",
+    "run_accept",
+    "run_sweep",
+    "scan",
     "split",
+    "step_adaptive",
     "summed_cross_entropy",
     "sync_kind",
     "valid_tokens",
+    "verify",
+    "verify_workload",
     "windows",
+    "write_runcard",
 ]

@@ -275,7 +275,9 @@ class CachedAccumulator(Accumulator):
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             self._emit("micro_start", i)
-            syncs = i == last or not self.config.defer_sync
+            # after an agreed failure under DDP the first micro-batch synchronizes too (see
+            # Accumulator._agree): it resets the reducer that the abandoned window left armed
+            syncs = i == last or not self.config.defer_sync or (i == 0 and self._resync)
             contribution: torch.Tensor | None = None
             with no_grad_sync(self.model, enabled=not syncs):
                 if syncs and self._failure is None and self.kind == "ddp":

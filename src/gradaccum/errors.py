@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigMismatchError",
     "CountError",
+    "CountTypeError",
     "EquivalenceError",
     "GradAccumError",
     "LossError",
@@ -36,6 +37,10 @@ class WindowError(GradAccumError, ValueError):
 
 class CountError(GradAccumError, ValueError):
     """``count_fn`` returned something that is not a non-negative integer count."""
+
+
+class CountTypeError(CountError, TypeError):
+    """Counting met a tensor of the wrong dtype (float labels, say); also a ``TypeError``."""
 
 
 class LossError(GradAccumError, ValueError):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from gradaccum.batching import batch_size
+from gradaccum.errors import CountTypeError
 
 __all__ = [
     "IGNORE_INDEX",
@@ -37,7 +38,10 @@ def valid_tokens(
     are already aligned with the logits. The count stays on the labels' device (no host sync).
     """
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+        raise CountTypeError(
+            f"labels must be an integer tensor of class ids (ignore_index={ignore_index} for positions "
+            f"that do not count), got dtype {labels.dtype}"
+        )
     if shift:
         labels = labels[..., 1:]
     return (labels != ignore_index).sum()

@@ -6,6 +6,8 @@ Commands take ``--workload MODULE:FUNCTION``; the function is called with no arg
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from gradaccum.batching import Batch
-from gradaccum.errors import WorkloadError
+from gradaccum.errors import GradAccumError, WorkloadError
 from gradaccum.step import CountFn, LossFn
 
 __all__ = ["OptimizerFactory", "Workload", "load_workload", "sgd"]
@@ -96,4 +98,27 @@ def load_workload(spec: str) -> Workload:
         raise WorkloadError(
             f"workload {spec} returned {type(workload).__name__}; it must return gradaccum.Workload"
         )
-    return workload
+    wrapped: dict[str, Any] = {name: _reported(spec, name, getattr(workload, name)) for name in _USER_CODE}
+    return dataclasses.replace(workload, **wrapped)
+
+
+_USER_CODE = ("build_model", "make_batch", "loss_fn", "count_fn", "optimizer_factory")
+
+
+def _reported(spec: str, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its failures reported as :class:`WorkloadError` naming the workload and the call.
+
+    gradaccum's own errors pass through unchanged, and so do out-of-memory errors, which the
+    adaptive micro-batch retry must still recognise.
+    """
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (GradAccumError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:
+            raise WorkloadError(f"workload {spec}: {name} raised {type(exc).__name__}: {exc}") from exc
+
+    return call

@@ -48,3 +48,22 @@ def test_a_failed_rank_stops_the_others_instead_of_leaving_them_waiting() -> Non
     assert time.monotonic() - start < 60
     assert record.status == "failed"
     assert "rank 1 cannot build its model" in (record.error or "")
+
+
+def test_the_rank_that_failed_speaks_for_the_group_not_the_peer_its_death_broke() -> None:
+    from gradaccum.bench.runner import STOPPED, _first_problem
+    from gradaccum.bench.spec import RunRecord
+
+    spec = MeasureSpec(workload="tests.bench.workloads:rank1_fails", micro_batch=1, accum_steps=1, dp=3)
+    broken = RunRecord(
+        spec=spec,
+        status="failed",
+        error="RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:9395. This is typically "
+        "caused by a remote worker crashing.",
+    )
+    stopped = RunRecord(spec=spec, status="failed", error=STOPPED)
+    cause = RunRecord(spec=spec, status="failed", error="RuntimeError: rank 1 cannot build its model")
+    # whichever rank exits first, the cause is chosen
+    assert _first_problem([broken, cause, stopped]) is cause
+    assert _first_problem([stopped, broken, cause]) is cause
+    assert _first_problem([broken, stopped]) is broken  # no cause reported: still a failed record

@@ -111,36 +111,13 @@ MALFORMED = [
     (f"{HERE}:bad_field", "micro_batch must be a positive integer, got 0"),
 ]
 
-# Gaps in commands this file does not own, kept visible: strict, so a fix turns them into failures
-# that ask for the mark to go. Each reason says which change closes the gap.
-BENCH_LOADS_LATE = (
-    "cmd_bench validates only the MODULE:FUNCTION shape up front; it should call load_workload() "
-    "before creating the run folder and spawning workers (it exits 1 and writes report.md, "
-    "results.json and plots for a workload that cannot load)"
-)
-USER_CODE_UNCAUGHT = (
-    "the command lets an exception from the workload's own code escape as a traceback; it should "
-    "turn it into a WorkloadError naming the workload and the call (exit 2)"
-)
-COUNT_TOKENS_TYPEERROR = (
-    "loss.valid_tokens raises TypeError for non-integer labels; raising CountError (a GradAccumError) "
-    "would give exit 2 everywhere"
-)
-TRAIN_WRITES_FIRST = (
-    "train writes runcard.json and metrics.jsonl into --run-dir before the first step; it should write "
-    "them only once a step has succeeded (or remove them when the run fails before any step)"
-)
-
 
 def _malformed_cases() -> list[Any]:
-    cases = []
-    for command in WORKLOAD_COMMANDS:
-        for spec, says in MALFORMED:
-            marks = []
-            if command == "bench" and spec not in ("gradaccum.examples",):
-                marks.append(pytest.mark.xfail(strict=True, reason=BENCH_LOADS_LATE))
-            cases.append(pytest.param(command, spec, says, marks=marks, id=f"{command}-{spec}"))
-    return cases
+    return [
+        pytest.param(command, spec, says, id=f"{command}-{spec}")
+        for command in WORKLOAD_COMMANDS
+        for spec, says in MALFORMED
+    ]
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -181,6 +158,24 @@ def test_malformed_workloads_exit_2_naming_the_problem_and_write_nothing(
         assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
 
 
+@pytest.mark.parametrize("command", WORKLOAD_COMMANDS)
+def test_a_workload_spec_with_colons_is_printed_as_written(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv, _ = _with_output(command, [command, "--workload", "a:b:c"], tmp_path)
+    code, text = _run(argv, capsys)
+    assert code == 2, text
+    assert "'a:b:c'" in text, text  # rich's emoji codes would print ":b:" as a symbol
+
+
+def test_the_shared_console_prints_user_text_without_emoji_codes() -> None:
+    from gradaccum.cli.render import console
+
+    with console.capture() as captured:
+        console.print("workload a:b:c, :smile:")
+    assert "workload a:b:c, :smile:" in captured.get()
+
+
 # Workloads that load but fail when run: the message must name the problem (these fragments).
 RUNTIME = {
     "model_raises": ("cannot build the model",),
@@ -196,24 +191,7 @@ def _says_all(text: str, fragments: tuple[str, ...]) -> bool:
     return all(f in flat for f in fragments)
 
 
-def _runtime_cases(command: str) -> list[Any]:
-    gaps = {
-        "verify": {"model_raises": USER_CODE_UNCAUGHT, "float_labels": COUNT_TOKENS_TYPEERROR},
-        "train": {
-            "model_raises": USER_CODE_UNCAUGHT,
-            "float_labels": COUNT_TOKENS_TYPEERROR,
-            "float_counts": TRAIN_WRITES_FIRST,
-            "negative_counts": TRAIN_WRITES_FIRST,
-            "vector_loss": TRAIN_WRITES_FIRST,
-        },
-    }[command]
-    return [
-        pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=gaps[name])] if name in gaps else [])
-        for name in sorted(RUNTIME)
-    ]
-
-
-@pytest.mark.parametrize("name", _runtime_cases("verify"))
+@pytest.mark.parametrize("name", sorted(RUNTIME))
 def test_verify_with_a_workload_that_fails_at_run_time_exits_2_naming_the_problem(
     name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -222,7 +200,7 @@ def test_verify_with_a_workload_that_fails_at_run_time_exits_2_naming_the_proble
     assert _says_all(text, RUNTIME[name]), text
 
 
-@pytest.mark.parametrize("name", _runtime_cases("train"))
+@pytest.mark.parametrize("name", sorted(RUNTIME))
 def test_train_with_a_workload_that_fails_at_run_time_exits_2_and_writes_nothing(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from gradaccum import Accumulator, BatchPlan, count_tokens, factorizations, split, windows
 from gradaccum.batching import split_sizes, take
-from gradaccum.errors import PlanError, RunCardError
+from gradaccum.errors import CountTypeError, PlanError, RunCardError
 from gradaccum.runcard import RunCard, read_runcard, write_runcard
 from tests.faults.common import AGREED_WITHIN_S, F64_RTOL, Outcome, bundle, ddp_mlp, grads, rel_err, run_all
 from tests.helpers import models
@@ -28,8 +28,10 @@ from tests.helpers.reference import full_batch_grads
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
 def test_labels_of_the_wrong_dtype_are_refused_by_count_tokens(dtype: torch.dtype) -> None:
     labels = torch.ones(2, 5, dtype=dtype)
-    with pytest.raises(TypeError, match=f"labels must be an integer tensor, got dtype {dtype}"):
+    # CountTypeError is both a CountError (exit 2 on the CLI) and a TypeError
+    with pytest.raises(CountTypeError, match=f"labels must be an integer tensor .* got dtype {dtype}"):
         count_tokens()({"labels": labels})
+    assert issubclass(CountTypeError, TypeError)
 
 
 def test_labels_of_the_wrong_dtype_stop_the_step_before_any_gradient() -> None:

@@ -1,12 +1,23 @@
-"""Run records: metrics lines survive crashes and resumes without duplicates; the loss curve."""
+"""Run records: metrics lines survive crashes and resumes without duplicates; the loss curve; a run
+that fails before its first window writes nothing, one that fails later keeps what it wrote."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from gradaccum.train import CheckpointRecord, EvalRecord, StepRecord, plot_loss, read_metrics
+import pytest
+
+from gradaccum.train import CheckpointRecord, EvalRecord, StepRecord, plot_loss, read_metrics, train
 from gradaccum.train.records import MetricsLog
+from tests.train.common import config, gpt, on_loss_call
+
+ACCUM = 4  # common.config: global batch 16 in micro-batches of 4
+
+
+def _crash() -> None:
+    raise RuntimeError("crash in the workload's loss")
 
 
 def _step(window: int, loss: float | None = 1.0, applied: bool = True) -> StepRecord:
@@ -57,3 +68,30 @@ def test_loss_curve_is_a_png_and_nothing_is_drawn_without_losses(tmp_path: Path)
     MetricsLog(tmp_path / "empty.jsonl").close()
     assert plot_loss(tmp_path / "empty.jsonl", tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_run_that_fails_before_its_first_window_leaves_the_run_folder_empty(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="crash in the workload's loss"):
+        train(config(run_dir, steps=2), workload=on_loss_call(gpt(), ACCUM - 1, _crash))  # window 0
+    assert not run_dir.exists() or not any(run_dir.iterdir()), sorted(run_dir.rglob("*"))
+
+
+def test_a_run_that_fails_after_some_windows_keeps_its_card_and_records(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="crash in the workload's loss"):
+        train(config(tmp_path, steps=4), workload=on_loss_call(gpt(), 2 * ACCUM + 1, _crash))  # window 2
+    card = json.loads((tmp_path / "runcard.json").read_text())
+    assert card["accum_steps"] == ACCUM
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["kind"], r["window"]) for r in records] == [("step", 0), ("step", 1)]
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn on the way out
+
+
+def test_a_resume_that_fails_before_its_first_window_keeps_the_earlier_records(tmp_path: Path) -> None:
+    first = train(config(tmp_path, steps=3, checkpoint_every=2))
+    assert len(first.checkpoints) == 2  # periodic after window 2, final after window 3
+    before = (tmp_path / "metrics.jsonl").read_text()
+    resume = replace(config(tmp_path, steps=4), resume=first.checkpoints[0])  # would drop window 2's lines
+    with pytest.raises(RuntimeError, match="crash in the workload's loss"):
+        train(resume, workload=on_loss_call(gpt(), 0, _crash))
+    assert (tmp_path / "metrics.jsonl").read_text() == before

@@ -182,13 +182,14 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
     The float64 check cuts one global batch (``make_batch(global_batch, seed)``) both ways, each
     against that batch in one forward/backward; the traces run ``trace_steps`` updates of both.
     """
-    from gradaccum import verify  # the checks; imported here so measurement works without them
+    # imported here so that measurement works without the checks
+    from gradaccum.verify import compare_traces, verify
 
     params = []
     details: dict[str, Any] = {}
     batch = workload.make_batch(spec.baseline.global_batch, spec.seed)
     for name, plan in (("baseline", spec.baseline), ("candidate", spec.candidate)):
-        report = verify.verify(
+        report = verify(
             workload.build_model,
             batch,
             workload.loss_fn,
@@ -214,7 +215,7 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
                 causes=tuple(str(c) for c in report.likely_causes),
             )
         )
-    trace = verify.compare_traces(
+    trace = compare_traces(
         workload,
         baseline_sizes=partition(spec.baseline),
         candidate_sizes=partition(spec.candidate),

@@ -48,6 +48,13 @@ TORCHRUN_VARIABLES = (
 )
 """What torchrun sets for its ranks; a worker forms its own group, so it must not inherit them."""
 STOPPED = "the worker was stopped because another rank failed"
+# what a rank reports when a peer died under it: a consequence, not the cause (gloo, NCCL)
+PEER_FAILED = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "caused by a remote worker crashing",
+    "remote process exited",
+)
 
 
 def free_port() -> int:
@@ -159,10 +166,16 @@ def _run_workers(
 
 
 def _first_problem(records: list[RunRecord]) -> RunRecord:
-    """The record that speaks for the group: the rank that failed, not the bystanders stopped for it."""
+    """The record that speaks for the group: the rank that failed, not the bystanders stopped for it
+    or the ranks whose collective broke because it died (which of them exits first is a race)."""
+
+    def bystander(record: RunRecord) -> bool:
+        error = record.error or ""
+        return error.startswith(STOPPED) or any(marker in error for marker in PEER_FAILED)
+
     for status in ("oom", "failed", "timeout"):
         for record in records:
-            if record.status == status and not (record.error or "").startswith(STOPPED):
+            if record.status == status and not bystander(record):
                 return record
     for record in records:
         if not record.ok:

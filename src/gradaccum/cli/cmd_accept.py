@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+from rich.markup import escape
 from rich.table import Table
 
 from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
     b, c = spec.baseline, spec.candidate
     console.print(
-        f"baseline {plan_label(b)} vs candidate {plan_label(c)} on {spec.workload}: global batch "
+        f"baseline {plan_label(b)} vs candidate {plan_label(c)} on {escape(spec.workload)}: global batch "
         f"{b.global_batch} ({b.equation()}; {c.equation()}); precision {spec.precision}; device {device}; "
         f"torch threads per worker: {spec.threads or 'default'}"
     )
@@ -134,5 +135,5 @@ def run(args: argparse.Namespace) -> int:
     )
     if not result.equivalence_passed:
         console.print("[red]the equivalence checks failed: the accumulated update is wrong, not slow[/red]")
-    console.print(f"run folder: {folder}")
+    console.print(f"run folder: {escape(str(folder))}")
     return code

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -27,6 +28,7 @@ from gradaccum.cli.render import console
 from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import PRECISIONS
+from gradaccum.workload import load_workload
 
 DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -168,7 +170,7 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[ProgressEvent], None] | No
     if not enabled:
         yield None
         return
-    err = Console(stderr=True)
+    err = Console(stderr=True, emoji=False, highlight=False)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=False) as bar:
         task = bar.add_task("runs", total=None)
@@ -181,9 +183,9 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[ProgressEvent], None] | No
             bar.update(task, completed=event.done)
             if not event.record.ok:
                 first = (event.record.error or "").strip().splitlines()
-                bar.console.print(
-                    f"[yellow]{label}: {event.record.status}[/yellow] {first[0] if first else ''}"
-                )
+                # a worker's error text is not markup: "[...]" or ":b:" in it are printed as they are
+                detail = escape(first[0] if first else "")
+                bar.console.print(f"[yellow]{escape(label)}: {event.record.status}[/yellow] {detail}")
 
         yield on_progress
 
@@ -271,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
     )
+    # workers import the workload themselves; loading it here first turns a workload that cannot load
+    # into exit 2 naming the problem, before any worker is spawned or the run folder is made
+    load_workload(spec.workload)
     launching = make_launching(dp, args.timeout)
     try:
         with progress_bar(args.progress and launching.leader) as on_progress:
@@ -320,5 +325,5 @@ def run(args: argparse.Namespace) -> int:
             "communication per update: naive k x G, deferred 1 x G", comm_rows(result.configs, result.comm)
         )
     )
-    console.print(f"run folder: {folder}")
+    console.print(f"run folder: {escape(str(folder))}")
     return code

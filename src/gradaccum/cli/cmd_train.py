@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gradaccum import dist
@@ -288,7 +289,7 @@ class _Renderer:
                 f"eval at step {event.step}: loss {_fmt(event.eval_loss)} over {event.eval_tokens:,} tokens"
             )
         elif isinstance(event, CheckpointRecord):
-            self._print(f"checkpoint ({event.reason}) after {event.window} boundaries: {event.path}")
+            self._print(f"checkpoint ({event.reason}) after {event.window} boundaries: {escape(event.path)}")
 
     def _print(self, text: str) -> None:
         (self.progress.console if self.progress is not None else console).print(text)
@@ -296,7 +297,7 @@ class _Renderer:
     def _start(self, start: TrainStart) -> None:
         cfg = self.config
         if self.args.runcard is not None:
-            checked = f" (from run card {self.args.runcard})"
+            checked = f" (from run card {escape(str(self.args.runcard))})"
         else:
             checked = f" (checked against --global-batch {cfg.plan.global_batch})"
         console.print(f"batch equation: {start.equation}{checked}")
@@ -306,9 +307,10 @@ class _Renderer:
             warmup_steps, warmup_tokens = float(sched["warmup"]), sched["warmup"] * per_step
         else:
             warmup_steps, warmup_tokens = sched["warmup"] / per_step, sched["warmup"]
+        layout = ", FSDP2" if cfg.fsdp else ", DDP" if start.world > 1 else ""
         console.print(
-            f"{start.world} process(es) on {start.device}, precision {cfg.precision}"
-            f"{', FSDP2' if cfg.fsdp else ', DDP' if start.world > 1 else ''}; workload {cfg.workload}"
+            f"{start.world} process(es) on {start.device}, precision {cfg.precision}{layout}; "
+            f"workload {escape(cfg.workload)}"
         )
         console.print(
             f"schedule: {sched['kind']}, clock {sched['clock']}, warmup {sched['warmup']:,} and horizon "
@@ -323,7 +325,7 @@ class _Renderer:
             moves = "a larger global batch keeps the tokens and takes fewer steps"
         console.print(f"warmup: {keeps}; {moves}")
         if start.resumed_from:
-            console.print(f"resumed from {start.resumed_from} at boundary {start.start_window}")
+            console.print(f"resumed from {escape(start.resumed_from)} at boundary {start.start_window}")
         if start.checkpoint_schedule is not None:
             was = start.checkpoint_schedule
             console.print(
@@ -331,7 +333,7 @@ class _Renderer:
                 f"warmup {was['warmup']:,}, horizon {was['horizon']:,}; from here the learning rate follows "
                 "this run's"
             )
-        console.print(f"run folder: {start.run_dir}")
+        console.print(f"run folder: {escape(start.run_dir)}")
         if console.is_terminal:
             self.progress = Progress(
                 TextColumn("train"),
@@ -363,7 +365,7 @@ class _Renderer:
                 skipped=record.skipped,
             )
         elif (record.window + 1) % self.every == 0 or not record.applied:
-            note = "" if record.applied else f"  SKIPPED: {record.skip_reason}"
+            note = "" if record.applied else f"  SKIPPED: {escape(record.skip_reason or '')}"
             console.print(
                 f"step {record.window + 1}: loss {_fmt(record.loss)}  lr {record.lr:.3g}  "
                 f"tokens {record.tokens:,}  {rate} tok/s{note}"
@@ -393,11 +395,15 @@ class _Renderer:
         )
         run_dir = result.run_dir
         console.print(
-            f"records: {run_dir / RUNCARD_FILE}, {run_dir / METRICS_FILE}, {run_dir / LOSS_PNG}"
-            + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else "")
+            escape(
+                f"records: {run_dir / RUNCARD_FILE}, {run_dir / METRICS_FILE}, {run_dir / LOSS_PNG}"
+                + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else "")
+            )
         )
         if result.stopped != "completed" and result.checkpoints:
-            console.print(f"resume with: gradaccum train --resume {result.checkpoints[-1]} (same flags)")
+            console.print(
+                escape(f"resume with: gradaccum train --resume {result.checkpoints[-1]} (same flags)")
+            )
 
 
 def _fmt(value: float | None) -> str:

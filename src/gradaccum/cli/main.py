@@ -1,6 +1,7 @@
 """Entry point: parse arguments, dispatch to a subcommand, map errors to exit codes.
 
-Exit codes: 0 success, 1 a check that ran and failed (e.g. verify found a mismatch), 2 bad input
+Exit codes: 0 success, 1 a check that ran and failed (e.g. verify found a mismatch) or a run that
+failed on its own (another rank failed, a collective timed out, too many skipped updates), 2 bad input
 (unknown workload, impossible plan, malformed run card). Each ``cmd_*.py`` module in this package
 defines ``register(subparsers)``, which adds its parser and sets ``run(args) -> int`` as the default
 ``func``; new subcommands need no change here.
@@ -15,7 +16,9 @@ import sys
 from collections.abc import Sequence
 
 from gradaccum import __version__
-from gradaccum.errors import GradAccumError
+from gradaccum.dist import CollectiveError
+from gradaccum.errors import GradAccumError, TooManySkipsError
+from gradaccum.faults import RankFailedError
 
 __all__ = ["build_parser", "main"]
 
@@ -49,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     try:
         return int(args.func(args))
+    except (RankFailedError, CollectiveError, TooManySkipsError) as exc:
+        # the input was fine; the run itself failed (another rank, the network, the loss diverged)
+        print(f"gradaccum {args.command}: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except GradAccumError as exc:
         print(f"gradaccum {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

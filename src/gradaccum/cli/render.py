@@ -7,8 +7,9 @@ from rich.console import Console
 __all__ = ["console", "mark", "yes_no"]
 
 _probe = Console()
-# Piped output (CI logs, files) gets a wide table instead of rich's 80-column default.
-console = Console(highlight=False, soft_wrap=True, width=None if _probe.is_terminal else 140)
+# Piped output (CI logs, files) gets a wide table instead of rich's 80-column default. No emoji codes:
+# user text such as a workload "a:b:c" must print as written, not with ":b:" turned into a symbol.
+console = Console(highlight=False, soft_wrap=True, emoji=False, width=None if _probe.is_terminal else 140)
 
 
 def mark(ok: bool | None) -> str:

@@ -287,6 +287,17 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
     write_runcard(card, config.run_dir / RUNCARD_FILE)
 
 
+def _open_records(config: TrainConfig, workload: Workload, s: _Session, emit: Recorder) -> None:
+    """Rank 0 writes the run card and opens the metrics once the first window has trained, so a run
+    that fails before any step (bad counts, a non-scalar loss) leaves nothing in its run folder; from
+    then on every record is flushed as it comes, so a later crash loses nothing."""
+    if emit.run_dir is None or emit.opened:
+        return
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    _write_runcard(config, workload, s)
+    emit.open()
+
+
 def train(
     config: TrainConfig,
     *,
@@ -297,17 +308,14 @@ def train(
     """Train ``config`` (resuming from ``config.resume`` if set); collective on every rank.
 
     ``workload`` overrides loading ``config.workload`` (tests pass instrumented ones). ``on_event``
-    receives every record on every rank; only rank 0 writes the run folder.
+    receives every record on every rank; only rank 0 writes the run folder, and only once the first
+    window has trained.
     """
     workload = workload if workload is not None else load_workload(config.workload)
     control = control if control is not None else TrainControl()
     s = _setup(config, workload)
-    writer = dist.rank() == 0
-    if writer:
-        config.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_runcard(config, workload, s)
     emit = Recorder(
-        config.run_dir if writer else None,
+        config.run_dir if dist.rank() == 0 else None,
         on_event,
         resume_window=s.progress.windows if s.resumed_from is not None else None,
     )
@@ -342,6 +350,7 @@ def train(
     try:
         while not done():
             record = _train_window(s)
+            _open_records(config, workload, s, emit)
             lr = record.lr
             if record.applied and record.loss is not None:
                 losses.append(record.loss)
@@ -371,6 +380,7 @@ def train(
             if stop and not finished:
                 stopped = "stop requested"
                 break
+        _open_records(config, workload, s, emit)  # a resumed run that had nothing left still records
     finally:
         emit.close()  # on every exit: the records and the curve show what stopped a run too
     wall_s = time.perf_counter() - started

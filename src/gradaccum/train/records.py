@@ -3,7 +3,8 @@
 The loop hands every record to the caller's callback (the CLI renders a progress bar from them) and,
 on rank 0, appends it to ``metrics.jsonl`` in the run folder, one JSON object per line, flushed as
 it is written so a crashed run keeps its history. A resumed run first drops the lines of windows
-after its checkpoint (they are about to be trained again).
+after its checkpoint (they are about to be trained again). Nothing is written until the first
+window has trained: a run that fails before it leaves no half-made records behind.
 """
 
 from __future__ import annotations
@@ -169,9 +170,11 @@ class MetricsLog:
 class Recorder:
     """Hands every event to the caller's callback and, on the writing rank, to the run's records.
 
-    ``run_dir`` None: a rank that writes nothing. Closing draws the loss curve when matplotlib
-    (the ``cli`` extra) is installed; the core needs torch alone, so without it only the metrics
-    are written.
+    ``run_dir`` None: a rank that writes nothing. The metrics file is opened (and a resumed one
+    trimmed) only by :meth:`open`, or by the first record after the start: a run that fails before
+    its first window leaves the run folder as it found it. Closing draws the loss curve when
+    matplotlib (the ``cli`` extra) is installed; the core needs torch alone, so without it only the
+    metrics are written.
     """
 
     def __init__(
@@ -183,17 +186,31 @@ class Recorder:
     ) -> None:
         self.run_dir = run_dir
         self.on_event = on_event
-        self.metrics = (
-            MetricsLog(run_dir / METRICS_FILE, resume_window=resume_window) if run_dir is not None else None
-        )
+        self.resume_window = resume_window
+        self.metrics: MetricsLog | None = None
+        self._closed = False
+
+    @property
+    def opened(self) -> bool:
+        """Whether the metrics file has been opened (always False on a rank that writes nothing)."""
+        return self.metrics is not None
+
+    def open(self) -> None:
+        """Open ``metrics.jsonl`` on the writing rank; a no-op when already open or not writing."""
+        if self.run_dir is None or self.metrics is not None or self._closed:
+            return
+        self.metrics = MetricsLog(self.run_dir / METRICS_FILE, resume_window=self.resume_window)
 
     def __call__(self, event: TrainEvent) -> None:
-        if self.metrics is not None and not isinstance(event, TrainStart):
-            self.metrics.write(event)
+        if not isinstance(event, TrainStart):
+            self.open()
+            if self.metrics is not None:
+                self.metrics.write(event)
         if self.on_event is not None:
             self.on_event(event)
 
     def close(self) -> None:
+        self._closed = True
         if self.metrics is not None and self.run_dir is not None:
             self.metrics.close()
             self.metrics = None
