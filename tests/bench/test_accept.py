@@ -15,7 +15,7 @@ from gradaccum.batching import split
 from gradaccum.bench.accept import AcceptResult, AcceptSpec, partition, run_accept
 from gradaccum.bench.measure import measure_safely
 from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
-from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord
+from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord
 from gradaccum.errors import PlanError, RunCardError
 from gradaccum.plan import BatchPlan, windows
 from gradaccum.runcard import environment, read_runcard
@@ -45,7 +45,7 @@ def test_mismatched_global_batches_are_refused_naming_both() -> None:
 
 def test_fewer_than_three_runs_are_refused() -> None:
     with pytest.raises(BenchError, match=">= 3"):
-        AcceptSpec(baseline=plan(4, 2), candidate=plan(2, 4), runs=2)
+        AcceptSpec(baseline=plan(4, 2), candidate=plan(2, 4), settings=MeasureSettings(runs=2))
 
 
 def test_the_check_partitions_the_whole_global_batch() -> None:
@@ -55,7 +55,11 @@ def test_the_check_partitions_the_whole_global_batch() -> None:
 
 def accept_tiny(root: Path, workload: str = GPT) -> tuple[AcceptResult, Path, list[Path]]:
     spec = AcceptSpec(
-        workload=workload, baseline=plan(4, 2), candidate=plan(2, 4), steps=2, warmup=1, trace_steps=2
+        workload=workload,
+        baseline=plan(4, 2),
+        candidate=plan(2, 4),
+        trace_steps=2,
+        settings=MeasureSettings(steps=2, warmup=1),
     )
     result = run_accept(spec, in_process, workload=load_workload(workload), environment=environment())
     folder = new_run_folder(root, "accept")

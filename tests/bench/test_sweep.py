@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from gradaccum.bench.measure import measure_safely
-from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord
+from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord
 from gradaccum.bench.sweep import ProgressEvent, SweepSpec, interleave, run_sweep
 from gradaccum.plan import BatchPlan
 from gradaccum.workload import load_workload
@@ -30,9 +30,7 @@ def test_sweep_of_every_factorization_summarizes_each_configuration() -> None:
     spec = SweepSpec(
         workload="tests.bench.workloads:tiny_mlp",
         global_batch=8,
-        runs=2,
-        steps=3,
-        warmup=1,
+        settings=MeasureSettings(runs=2, steps=3, warmup=1),
         memory_budget_bytes=10 * 1024**3,
     )
     events: list[ProgressEvent] = []
@@ -55,7 +53,11 @@ def test_sweep_of_every_factorization_summarizes_each_configuration() -> None:
 
 
 def test_out_of_memory_configurations_are_marked_and_the_sweep_goes_on() -> None:
-    spec = SweepSpec(workload="tests.bench.workloads:oom_mlp", global_batch=8, runs=1, steps=2, warmup=0)
+    spec = SweepSpec(
+        workload="tests.bench.workloads:oom_mlp",
+        global_batch=8,
+        settings=MeasureSettings(runs=1, steps=2, warmup=0),
+    )
     result = run_sweep(spec, in_process)
     status = {c.spec.micro_batch: c.status for c in result.configs}
     assert status == {m: "oom" if m >= workloads.OOM_FROM else "ok" for m in (8, 4, 2, 1)}
@@ -73,7 +75,7 @@ def test_an_explicit_list_must_hold_the_global_batch() -> None:
     with pytest.raises(BenchError, match="twice"):
         SweepSpec(workload="m:f", global_batch=8, plans=(plans[0], plans[0]))
     with pytest.raises(BenchError, match="runs"):
-        SweepSpec(workload="m:f", global_batch=8, runs=0)
+        SweepSpec(workload="m:f", global_batch=8, settings=MeasureSettings(runs=0))
 
 
 def test_fewer_than_two_micro_batches_leave_no_memory_model() -> None:
@@ -81,9 +83,7 @@ def test_fewer_than_two_micro_batches_leave_no_memory_model() -> None:
         workload="tests.bench.workloads:tiny_mlp",
         global_batch=4,
         plans=(BatchPlan(micro_batch=2, accum_steps=2),),
-        runs=1,
-        steps=2,
-        warmup=0,
+        settings=MeasureSettings(runs=1, steps=2, warmup=0),
     )
     result = run_sweep(spec, in_process)
     assert result.memory_model is None and "two or more" in (result.memory_model_note or "")

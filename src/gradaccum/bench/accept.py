@@ -21,7 +21,7 @@ import torch
 from gradaccum.bench.measure import DTYPES
 from gradaccum.bench.models import CommModel, comm_model
 from gradaccum.bench.runner import Launch
-from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord, plan_label
+from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord, plan_label
 from gradaccum.bench.stats import ConfigSummary, summarize
 from gradaccum.bench.sweep import ProgressEvent, run_specs
 from gradaccum.bench.verdict import (
@@ -40,6 +40,7 @@ from gradaccum.runcard import RunCard
 from gradaccum.workload import Workload
 
 __all__ = [
+    "ACCEPT_SETTINGS",
     "DEFAULT_WORKLOAD",
     "AcceptResult",
     "AcceptSpec",
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
+ACCEPT_SETTINGS = MeasureSettings(runs=MIN_RUNS, steps=50)
+"""The measurement settings of an acceptance run unless given: the protocol's minimum of runs, and
+longer runs than a sweep's, since a verdict rests on two configurations only."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,26 +68,11 @@ class AcceptSpec:
     """The proposed one; it must reach the same global batch."""
     margin: float = DEFAULT_MARGIN
     """Required median throughput gain (0.03 = 3 %)."""
-    runs: int = MIN_RUNS
-    """Runs per configuration; at least three."""
-    steps: int = 50
-    """Measured updates per run."""
-    warmup: int = 3
-    """Unmeasured updates at the start of each run."""
     trace_steps: int = 8
     """Updates in the production-precision trace comparison (the declared window)."""
-    precision: str = "float32"
-    """Production precision of the traces and the measurements."""
-    defer_sync: bool = True
-    """Defer gradient sync to the last micro-batch (recorded in the run card)."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda``."""
-    threads: int | None = None
-    """Torch threads per worker process; ``None``: torch's default."""
-    bucket_cap_mb: float | None = None
-    """DDP gradient bucket size in MiB; ``None``: DDP's default."""
-    seed: int = 0
-    """Model and data seed."""
+    settings: MeasureSettings = ACCEPT_SETTINGS
+    """How both configurations are measured (at least three runs each); its precision, device and
+    seed are also those of the checks and the traces, and its ``defer_sync`` goes in the run card."""
 
     def __post_init__(self) -> None:
         b, c = self.baseline, self.candidate
@@ -102,9 +91,9 @@ class AcceptSpec:
                 "accumulation mechanics at a fixed global batch; a different global batch changes the "
                 "optimization (updates, noise, tuned learning rate) and is not an accumulation change." + hint
             )
-        if isinstance(self.runs, bool) or not isinstance(self.runs, int) or self.runs < MIN_RUNS:
+        if self.settings.runs < MIN_RUNS:
             raise BenchError(
-                f"runs must be an integer >= {MIN_RUNS} (the protocol's minimum), got {self.runs!r}"
+                f"runs must be an integer >= {MIN_RUNS} (the protocol's minimum), got {self.settings.runs!r}"
             )
         if (
             isinstance(self.trace_steps, bool)
@@ -115,28 +104,23 @@ class AcceptSpec:
         margin = self.margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
             raise BenchError(f"margin must be a non-negative fraction (0.03 = 3%), got {margin!r}")
-        self.measure_spec(self.baseline)  # steps, warmup, precision ...: refused now, not after the checks
+        self.measure_spec(self.baseline)  # a malformed workload is refused now, not after the checks
 
     def measure_spec(self, plan: BatchPlan) -> MeasureSpec:
-        return MeasureSpec(
-            workload=self.workload,
-            micro_batch=plan.micro_batch,
-            accum_steps=plan.accum_steps,
-            dp=plan.dp,
-            precision=self.precision,
-            defer_sync=self.defer_sync,
-            steps=self.steps,
-            warmup=self.warmup,
-            seed=self.seed,
-            device=self.device,
-            threads=self.threads,
-            bucket_cap_mb=self.bucket_cap_mb,
-        )
+        return self.settings.measure_spec(self.workload, plan)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["baseline"] = plan_label(self.baseline)
-        data["candidate"] = plan_label(self.candidate)
+        """Flat, as results.json has always had it: the settings sit beside the comparison's fields."""
+        data: dict[str, Any] = {
+            "workload": self.workload,
+            "baseline": plan_label(self.baseline),
+            "candidate": plan_label(self.candidate),
+            "margin": self.margin,
+        }
+        for name, value in self.settings.to_dict().items():
+            data[name] = value
+            if name == "warmup":
+                data["trace_steps"] = self.trace_steps  # where results.json has always had it
         return data
 
 
@@ -187,7 +171,7 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
 
     params = []
     details: dict[str, Any] = {}
-    batch = workload.make_batch(spec.baseline.global_batch, spec.seed)
+    batch = workload.make_batch(spec.baseline.global_batch, spec.settings.seed)
     for name, plan in (("baseline", spec.baseline), ("candidate", spec.candidate)):
         report = verify(
             workload.build_model,
@@ -197,9 +181,9 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
             sizes=partition(plan),
             optimizer_factory=workload.optimizer_factory,
             dtype=torch.float64,
-            device=spec.device,
+            device=spec.settings.device,
             declared_hazards=workload.declared_hazards,
-            seed=spec.seed,
+            seed=spec.settings.seed,
             name=workload.name,
             unit=workload.unit,
         )
@@ -220,9 +204,9 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
         baseline_sizes=partition(spec.baseline),
         candidate_sizes=partition(spec.candidate),
         steps=spec.trace_steps,
-        dtype=DTYPES[spec.precision],
-        seed=spec.seed,
-        device=spec.device,
+        dtype=DTYPES[spec.settings.precision],
+        seed=spec.settings.seed,
+        device=spec.settings.device,
     )
     details["trace"] = _plain(trace)
     return Equivalence(
@@ -313,16 +297,17 @@ def make_runcard(
     spec: AcceptSpec, verdict: Verdict, chosen: ConfigSummary, environment: dict[str, Any], unit: str
 ) -> RunCard:
     """The card of the configuration to use, with the verdict and the comparison in ``extra``."""
+    settings = spec.settings
     return RunCard(
         workload=spec.workload,
         plan=chosen.plan,
-        accum=AccumConfig(defer_sync=spec.defer_sync),
-        precision=spec.precision,
+        accum=AccumConfig(defer_sync=settings.defer_sync),
+        precision=settings.precision,
         denominator=unit,
         tokens_per_step=chosen.tokens_per_update[0] if chosen.tokens_per_update else None,
-        seed=spec.seed,
+        seed=settings.seed,
         versions=dict(environment.get("versions", {})),
-        device=str(environment.get("device", spec.device)),
+        device=str(environment.get("device", settings.device)),
         git_commit=environment.get("git_commit"),
         verdict=verdict.decision,
         extra={
@@ -333,7 +318,7 @@ def make_runcard(
             "throughput_gain": verdict.throughput_gain,
             "trace_steps": spec.trace_steps,
             "tokens_per_step_source": "global valid units of the first measured update "
-            f"(make_batch({chosen.plan.global_batch}, seed={spec.seed + 1 + spec.warmup}))",
+            f"(make_batch({chosen.plan.global_batch}, seed={settings.seed + 1 + settings.warmup}))",
             "schedule_clock": "optimizer updates (one per window of accum_steps micro-batches)",
         },
     )
@@ -357,7 +342,7 @@ def run_accept(
     if on_stage is not None:
         on_stage("measure")
     arms = [spec.measure_spec(spec.baseline), spec.measure_spec(spec.candidate)]
-    records = run_specs(arms, spec.runs, launch, on_progress)
+    records = run_specs(arms, spec.settings.runs, launch, on_progress)
     # runs alternate A B A B ...; by position, so that an A/A comparison (noise check) works too
     base, cand = summarize(arms[0], records[0::2]), summarize(arms[1], records[1::2])
     verdict = decide(

@@ -176,7 +176,7 @@ def _memory_lines(result: SweepResult) -> list[str]:
 
 
 def sweep_markdown(result: SweepResult) -> str:
-    spec = result.spec
+    spec, settings = result.spec, result.spec.settings
     first = result.configs[0] if result.configs else None
     ok = [c for c in result.configs if c.ok]
     predictions = [
@@ -187,10 +187,10 @@ def sweep_markdown(result: SweepResult) -> str:
         f"# gradaccum bench: {spec.workload} at global batch {spec.global_batch}",
         "",
         f"- global batch = micro-batch x dp {spec.dp} x accumulation = {spec.global_batch} for every row",
-        f"- precision {spec.precision}, device {spec.device}, gradient sync "
-        f"{'deferred to the last micro-batch' if spec.defer_sync else 'on every micro-batch (naive)'}",
-        f"- {spec.runs} runs per configuration, interleaved; {spec.steps} measured updates per run after "
-        f"{spec.warmup} warm-up updates; each run in a fresh process",
+        f"- precision {settings.precision}, device {settings.device}, gradient sync "
+        f"{'deferred to the last micro-batch' if settings.defer_sync else 'on every micro-batch (naive)'}",
+        f"- {settings.runs} runs per configuration, interleaved; {settings.steps} measured updates per "
+        f"run after {settings.warmup} warm-up updates; each run in a fresh process",
         "- throughput: valid units over measured step time (slowest rank); spread: min..max of runs",
         "- peak memory: "
         + (first.peak_memory_kind if first else "-")
@@ -228,7 +228,7 @@ def sweep_markdown(result: SweepResult) -> str:
 
 
 def accept_markdown(result: AcceptResult) -> str:
-    spec = result.spec
+    spec, settings = result.spec, result.spec.settings
     v = result.verdict
     chosen = result.card.plan
     lines = [
@@ -236,7 +236,8 @@ def accept_markdown(result: AcceptResult) -> str:
         "",
         f"Baseline {plan_label(spec.baseline)} vs candidate {plan_label(spec.candidate)} (micro-batch x "
         f"accumulation) on `{spec.workload}`; global batch {spec.baseline.global_batch}; dp "
-        f"{spec.baseline.dp}; precision {spec.precision}; device {spec.device}; margin {spec.margin:.1%}.",
+        f"{spec.baseline.dp}; precision {settings.precision}; device {settings.device}; "
+        f"margin {spec.margin:.1%}.",
         "",
         "## Verdict",
         "",
@@ -254,8 +255,8 @@ def accept_markdown(result: AcceptResult) -> str:
         "",
         "## Measurements",
         "",
-        f"{spec.runs} runs each, interleaved (baseline, candidate, baseline, ...), {spec.steps} measured "
-        f"updates per run after {spec.warmup} warm-up updates, each run in a fresh process.",
+        f"{settings.runs} runs each, interleaved (baseline, candidate, baseline, ...), {settings.steps} "
+        f"measured updates per run after {settings.warmup} warm-up updates, each run in a fresh process.",
         "",
         _markdown_table(time_rows([result.baseline, result.candidate])),
         "",
@@ -272,7 +273,7 @@ def accept_markdown(result: AcceptResult) -> str:
             + "".join(f"\n  - likely cause: {cause}" for cause in p.causes)
             for p in result.equivalence.params
         ],
-        f"- traces at {spec.precision} over {spec.trace_steps} updates: "
+        f"- traces at {settings.precision} over {spec.trace_steps} updates: "
         f"{'PASS' if result.equivalence.trace.passed else 'FAIL'}: {result.equivalence.trace.figure}",
         "",
         "Short equivalence checks cannot guarantee final convergence; a change of physical micro-batch "

@@ -2,6 +2,8 @@
 
 A :class:`MeasureSpec` crosses a process boundary as JSON (the worker reads it on stdin), and so does
 the :class:`RunRecord` that comes back, so both convert to and from plain dictionaries.
+:class:`MeasureSettings` is how every configuration of a sweep or an acceptance run is measured:
+both specs hold one, and it turns a batch plan into a :class:`MeasureSpec`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from gradaccum.errors import GradAccumError
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import PRECISIONS
 
-__all__ = ["BenchError", "MeasureSpec", "Measurement", "RunRecord", "RunStatus", "plan_label"]
+__all__ = [
+    "BenchError",
+    "MeasureSettings",
+    "MeasureSpec",
+    "Measurement",
+    "RunRecord",
+    "RunStatus",
+    "plan_label",
+]
 
 RESULT_PREFIX = "GRADACCUM_RESULT "
 """Marks the worker's result line on stdout, so that nothing a workload prints is mistaken for it."""
@@ -75,20 +85,9 @@ class MeasureSpec:
     """DDP's gradient bucket size in MiB; ``None`` keeps DDP's default (25)."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "accum_steps", "dp", "steps"):
+        for name in ("micro_batch", "accum_steps", "dp"):
             _positive(name, getattr(self, name))
-        _positive("warmup", self.warmup, zero_ok=True)
-        _positive("seed", self.seed, zero_ok=True)
-        if self.threads is not None:
-            _positive("threads", self.threads)
-        if self.bucket_cap_mb is not None and not (
-            isinstance(self.bucket_cap_mb, (int, float)) and 0 < self.bucket_cap_mb < float("inf")
-        ):
-            raise BenchError(
-                f"bucket_cap_mb must be a positive number of MiB or None, got {self.bucket_cap_mb!r}"
-            )
-        if self.precision not in PRECISIONS:
-            raise BenchError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        _check_run_settings(self)
         if not isinstance(self.workload, str) or ":" not in self.workload:
             raise BenchError(f"workload must be MODULE:FUNCTION, got {self.workload!r}")
 
@@ -111,6 +110,68 @@ class MeasureSpec:
         if unknown:
             raise BenchError(f"unknown measurement settings {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+
+def _check_run_settings(settings: MeasureSpec | MeasureSettings) -> None:
+    """The checks of the settings a :class:`MeasureSpec` and :class:`MeasureSettings` share."""
+    _positive("steps", settings.steps)
+    _positive("warmup", settings.warmup, zero_ok=True)
+    _positive("seed", settings.seed, zero_ok=True)
+    if settings.threads is not None:
+        _positive("threads", settings.threads)
+    cap = settings.bucket_cap_mb
+    if cap is not None and not (isinstance(cap, (int, float)) and 0 < cap < float("inf")):
+        raise BenchError(f"bucket_cap_mb must be a positive number of MiB or None, got {cap!r}")
+    if settings.precision not in PRECISIONS:
+        raise BenchError(f"precision must be one of {PRECISIONS}, got {settings.precision!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasureSettings:
+    """How each configuration is measured: what a sweep and an acceptance run share."""
+
+    runs: int = 3
+    """Runs per configuration, interleaved across configurations."""
+    steps: int = 20
+    """Measured optimizer updates per run."""
+    warmup: int = 3
+    """Unmeasured updates at the start of each run (see :attr:`MeasureSpec.warmup`)."""
+    precision: str = "float32"
+    """Production precision (see :attr:`MeasureSpec.precision`)."""
+    defer_sync: bool = True
+    """Defer gradient sync to the last micro-batch of each update."""
+    device: str = "cpu"
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    threads: int | None = None
+    """Torch threads per worker process; ``None``: torch's default."""
+    bucket_cap_mb: float | None = None
+    """DDP gradient bucket size in MiB; ``None``: DDP's default."""
+    seed: int = 0
+    """Model and data seed."""
+
+    def __post_init__(self) -> None:
+        _positive("runs", self.runs)
+        _check_run_settings(self)
+
+    def measure_spec(self, workload: str, plan: BatchPlan) -> MeasureSpec:
+        """One run's configuration: ``plan`` of ``workload`` measured with these settings."""
+        return MeasureSpec(
+            workload=workload,
+            micro_batch=plan.micro_batch,
+            accum_steps=plan.accum_steps,
+            dp=plan.dp,
+            precision=self.precision,
+            defer_sync=self.defer_sync,
+            steps=self.steps,
+            warmup=self.warmup,
+            seed=self.seed,
+            device=self.device,
+            threads=self.threads,
+            bucket_cap_mb=self.bucket_cap_mb,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

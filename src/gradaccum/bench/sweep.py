@@ -14,7 +14,7 @@ from typing import Any
 
 from gradaccum.bench.models import CommModel, MemoryModel, comm_model, fit_memory_model
 from gradaccum.bench.runner import Launch
-from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord, plan_label
+from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord, plan_label
 from gradaccum.bench.stats import ConfigSummary, summarize
 from gradaccum.plan import BatchPlan, factorizations
 
@@ -33,30 +33,12 @@ class SweepSpec:
     """Data-parallel replicas."""
     plans: tuple[BatchPlan, ...] | None = None
     """Configurations to measure; ``None``: every factorization of ``global_batch`` on ``dp``."""
-    runs: int = 3
-    """Runs per configuration."""
-    steps: int = 20
-    """Measured updates per run."""
-    warmup: int = 3
-    """Unmeasured updates at the start of each run."""
-    precision: str = "float32"
-    """Production precision (see :class:`MeasureSpec`)."""
-    defer_sync: bool = True
-    """Defer gradient sync to the last micro-batch of each update."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda``."""
-    threads: int | None = None
-    """Torch threads per worker process; ``None``: torch's default."""
-    bucket_cap_mb: float | None = None
-    """DDP gradient bucket size in MiB; ``None``: DDP's default."""
-    seed: int = 0
-    """Model and data seed."""
+    settings: MeasureSettings = field(default_factory=MeasureSettings)
+    """How each configuration is measured: runs, steps, precision, device ..."""
     memory_budget_bytes: int | None = None
     """Report the largest micro-batch the memory model predicts fits this budget."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.runs, bool) or not isinstance(self.runs, int) or self.runs < 1:
-            raise BenchError(f"runs must be a positive integer, got {self.runs!r}")
         if self.plans is not None and len(set(self.plans)) != len(self.plans):
             labels = [plan_label(p) for p in self.plans]
             raise BenchError(f"the sweep lists a configuration twice: {labels}; list each once")
@@ -69,28 +51,18 @@ class SweepSpec:
 
     def measure_specs(self) -> list[MeasureSpec]:
         plans = self.plans if self.plans else tuple(factorizations(self.global_batch, dp=self.dp))
-        return [
-            MeasureSpec(
-                workload=self.workload,
-                micro_batch=p.micro_batch,
-                accum_steps=p.accum_steps,
-                dp=p.dp,
-                precision=self.precision,
-                defer_sync=self.defer_sync,
-                steps=self.steps,
-                warmup=self.warmup,
-                seed=self.seed,
-                device=self.device,
-                threads=self.threads,
-                bucket_cap_mb=self.bucket_cap_mb,
-            )
-            for p in plans
-        ]
+        return [self.settings.measure_spec(self.workload, p) for p in plans]
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["plans"] = None if self.plans is None else [asdict(p) for p in self.plans]
-        return data
+        """Flat, as results.json has always had it: the settings sit beside the sweep's own fields."""
+        return {
+            "workload": self.workload,
+            "global_batch": self.global_batch,
+            "dp": self.dp,
+            "plans": None if self.plans is None else [asdict(p) for p in self.plans],
+            **self.settings.to_dict(),
+            "memory_budget_bytes": self.memory_budget_bytes,
+        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -188,9 +160,9 @@ def _memory(configs: Sequence[ConfigSummary]) -> tuple[MemoryModel | None, str |
 def run_sweep(
     spec: SweepSpec, launch: Launch, *, on_progress: Callable[[ProgressEvent], None] | None = None
 ) -> SweepResult:
-    """Measure every configuration ``spec.runs`` times (interleaved) and fit the models."""
+    """Measure every configuration ``spec.settings.runs`` times (interleaved) and fit the models."""
     specs = spec.measure_specs()
-    records = run_specs(specs, spec.runs, launch, on_progress)
+    records = run_specs(specs, spec.settings.runs, launch, on_progress)
     configs = tuple(summarize(s, [r for r in records if r.spec == s]) for s in specs)
     model, note = _memory(configs)
     comm = tuple(

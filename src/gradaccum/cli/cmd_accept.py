@@ -17,12 +17,10 @@ from rich.table import Table
 from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept
 from gradaccum.bench.report import comm_rows, memory_rows, time_rows
 from gradaccum.bench.spec import plan_label
+from gradaccum.cli.args import add_measure_options, measure_settings, parse_plan
 from gradaccum.cli.cmd_bench import (
-    add_measure_options,
-    default_threads,
     finish_launching,
     make_launching,
-    parse_plan,
     progress_bar,
     resolve_device,
     resolve_dp,
@@ -71,16 +69,8 @@ def run(args: argparse.Namespace) -> int:
         baseline=parse_plan(args.baseline, dp),
         candidate=parse_plan(args.candidate, dp),
         margin=args.margin,
-        runs=args.runs,
-        steps=args.steps,
-        warmup=args.warmup,
         trace_steps=args.trace_steps,
-        precision=args.precision,
-        defer_sync=args.defer_sync,
-        device=device,
-        threads=default_threads(args.threads, device),
-        bucket_cap_mb=args.bucket_cap_mb,
-        seed=args.seed,
+        settings=measure_settings(args, device),
     )
     workload = load_workload(spec.workload)
     # the checks run in this process before any process group exists (under torchrun too)
@@ -112,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
     b, c = spec.baseline, spec.candidate
     console.print(
         f"baseline {plan_label(b)} vs candidate {plan_label(c)} on {escape(spec.workload)}: global batch "
-        f"{b.global_batch} ({b.equation()}; {c.equation()}); precision {spec.precision}; device {device}; "
-        f"torch threads per worker: {spec.threads or 'default'}"
+        f"{b.global_batch} ({b.equation()}; {c.equation()}); precision {spec.settings.precision}; "
+        f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
     )
     arms = [result.baseline, result.candidate]
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(arms)))

@@ -1,8 +1,8 @@
 """``gradaccum bench``: measure every factorization of a fixed global batch.
 
-Also the home of what ``accept`` shares with it: plan and size parsing, device and launcher choice
-(a fresh local process group per run, or, under torchrun, one worker per launched rank), the
-progress bar and the tables.
+Also the home of what ``accept`` shares with it beyond its options (those are in
+:mod:`gradaccum.cli.args`): device and launcher choice (a fresh local process group per run, or,
+under torchrun, one worker per launched rank), the progress bar and the tables.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -24,48 +23,12 @@ from gradaccum.bench.report import comm_rows, fmt_bytes, memory_rows, time_rows
 from gradaccum.bench.runner import TORCHRUN_VARIABLES, Launch, run_isolated, run_joined
 from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord, plan_label
 from gradaccum.bench.sweep import ProgressEvent, SweepSpec, run_sweep
+from gradaccum.cli.args import add_measure_options, measure_settings, parse_plan, parse_size
 from gradaccum.cli.render import console
 from gradaccum.errors import PlanError
-from gradaccum.plan import BatchPlan
-from gradaccum.runcard import PRECISIONS
 from gradaccum.workload import load_workload
 
-DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
 EXIT_OK, EXIT_FAILED = 0, 1
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-}
-
-
-def parse_size(text: str) -> int:
-    """``2GiB``, ``512MiB``, ``1.5GB`` or plain bytes, into bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise BenchError(
-            f"a memory size is a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), got {text!r}"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def parse_plan(text: str, dp: int) -> BatchPlan:
-    """``MICROxACCUM`` (on ``dp`` replicas) or ``MICROxDPxACCUM``."""
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+))?\s*", text)
-    if not match:
-        raise PlanError(f"a configuration is written MICROxACCUM (e.g. 4x8) or MICROxDPxACCUM, got {text!r}")
-    a, b, c = match.groups()
-    if c is None:
-        return BatchPlan(micro_batch=int(a), accum_steps=int(b), dp=dp)
-    if int(b) != dp:
-        raise PlanError(f"configuration {text} names dp={b} but the run has dp={dp}; pass --dp {b}")
-    return BatchPlan(micro_batch=int(a), dp=int(b), accum_steps=int(c))
 
 
 def resolve_device(name: str, dp: int) -> str:
@@ -152,18 +115,6 @@ def finish_launching(launching: Launching) -> None:
             dist.destroy_process_group()
 
 
-def default_threads(requested: int | None, device: str) -> int | None:
-    """One torch thread per CPU worker unless asked otherwise.
-
-    Intra-op threads that wait on each other stall whenever another process holds a core: on a
-    shared 2-core machine a 2-thread run of the tiny GPT spread over 10x between runs, a 1-thread
-    run over 6-28%. A verdict with a 3% margin needs the second. ``--threads N`` measures more.
-    """
-    if requested is not None or device != "cpu":
-        return requested
-    return 1
-
-
 @contextmanager
 def progress_bar(enabled: bool) -> Iterator[Callable[[ProgressEvent], None] | None]:
     """A rich progress bar on stderr (stdout stays clean for --json); ``None`` when disabled."""
@@ -198,33 +149,6 @@ def rich_table(title: str, table: tuple[list[str], list[list[str]]]) -> Table:
     for row in rows:
         out.add_row(*row)
     return out
-
-
-def add_measure_options(p: argparse.ArgumentParser, *, steps: int) -> None:
-    """Options ``bench`` and ``accept`` share."""
-    p.add_argument(
-        "--workload", default=DEFAULT_WORKLOAD, help=f"MODULE:FUNCTION (default {DEFAULT_WORKLOAD})"
-    )
-    p.add_argument(
-        "--dp", type=int, default=None, help="data-parallel replicas (default: torchrun's world, else 1)"
-    )
-    p.add_argument("--runs", type=int, default=3, help="runs per configuration, interleaved (default 3)")
-    p.add_argument("--steps", type=int, default=steps, help=f"measured updates per run (default {steps})")
-    p.add_argument("--warmup", type=int, default=3, help="unmeasured updates per run (default 3)")
-    p.add_argument("--precision", choices=PRECISIONS, default="float32", help="production precision")
-    p.add_argument("--no-defer-sync", dest="defer_sync", action="store_false", help="sync every micro-batch")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda (default auto)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads per worker (default 1 on CPU, torch's on CUDA)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size in MiB (default DDP's)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (default 600)")
-    p.add_argument("--out-dir", type=Path, default=Path("runs"), help="where run folders go (default runs/)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -262,15 +186,7 @@ def run(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         dp=dp,
         plans=plans,
-        runs=args.runs,
-        steps=args.steps,
-        warmup=args.warmup,
-        precision=args.precision,
-        defer_sync=args.defer_sync,
-        device=device,
-        threads=default_threads(args.threads, device),
-        bucket_cap_mb=args.bucket_cap_mb,
-        seed=args.seed,
+        settings=measure_settings(args, device),
         memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
     )
     # workers import the workload themselves; loading it here first turns a workload that cannot load
@@ -294,8 +210,8 @@ def run(args: argparse.Namespace) -> int:
     predictions = [None if mm is None else mm.predict(c.spec.micro_batch) for c in result.configs]
     console.print(
         f"global batch {spec.global_batch} = micro-batch x dp {dp} x accumulation; runs per configuration: "
-        f"{spec.runs}, interleaved, a fresh process each; precision {spec.precision}; device {device}; "
-        f"torch threads per worker: {spec.threads or 'default'}"
+        f"{spec.settings.runs}, interleaved, a fresh process each; precision {spec.settings.precision}; "
+        f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
     )
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(result.configs)))
     console.print(

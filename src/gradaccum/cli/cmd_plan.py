@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import re
 
 from rich.table import Table
 
+from gradaccum.cli.args import parse_plan
 from gradaccum.cli.render import console, yes_no
 from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan, compare_plans
 
 # The seeds' worked example: 25,600 sequences, 8 replicas.
 SEEDS_PLANS = {"A": "8x8x4", "B": "4x8x8", "changed-batch": "4x8x1"}
-
-
-def parse_plan(text: str) -> BatchPlan:
-    """``MICROxDPxACCUM`` (or ``MICROxACCUM`` with dp=1) into a BatchPlan."""
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+))?\s*", text)
-    if not match:
-        raise PlanError(f"a plan is written MICROxDPxACCUM (e.g. 4x8x8) or MICROxACCUM, got {text!r}")
-    a, b, c = match.groups()
-    if c is None:
-        return BatchPlan(micro_batch=int(a), accum_steps=int(b), dp=1)
-    return BatchPlan(micro_batch=int(a), dp=int(b), accum_steps=int(c))
 
 
 def _named_plan(text: str) -> tuple[str, BatchPlan]:

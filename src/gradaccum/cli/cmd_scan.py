@@ -7,23 +7,13 @@ from collections.abc import Sequence
 
 from rich.markup import escape
 
+from gradaccum.cli.args import add_workload_option, int_at_least
 from gradaccum.cli.render import console
 from gradaccum.errors import PlanError
 from gradaccum.hazards import Finding, scan
 from gradaccum.workload import load_workload
 
-DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
 _STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,22 +24,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "layers, MoE routers, declared batch-coupled losses), with figures and fixes. Static: "
         "`gradaccum verify` is the empirical check.",
     )
-    p.add_argument(
-        "--workload",
-        default=DEFAULT_WORKLOAD,
-        metavar="MODULE:FUNCTION",
-        help=f"function returning a gradaccum.Workload (default {DEFAULT_WORKLOAD})",
-    )
+    add_workload_option(p)
     p.add_argument(
         "--accum-steps",
-        type=_positive,
+        type=int_at_least(1),
         default=None,
         metavar="K",
         help="micro-batches per optimizer step (default: the workload's batch / micro-batch)",
     )
     p.add_argument(
         "--micro-batch",
-        type=_positive,
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="examples per forward (default: the workload's)",

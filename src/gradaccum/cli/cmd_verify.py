@@ -15,7 +15,8 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from gradaccum.cli.cmd_scan import DEFAULT_WORKLOAD, render_findings
+from gradaccum.cli.args import add_workload_option, int_at_least
+from gradaccum.cli.cmd_scan import render_findings
 from gradaccum.cli.main import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from gradaccum.cli.render import console, mark
 from gradaccum.equivalence import GRAD_TOLERANCES, TRACE_TOLERANCES, dtype_name
@@ -40,16 +41,6 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def _count(text: str, *, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "verify",
@@ -59,16 +50,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(full precision), then loss and gradient-norm traces over a few steps (production "
         "precision). Exit 0 pass, 1 fail, 2 bad input.",
     )
-    p.add_argument(
-        "--workload",
-        default=DEFAULT_WORKLOAD,
-        metavar="MODULE:FUNCTION",
-        help=f"function returning a gradaccum.Workload (default {DEFAULT_WORKLOAD})",
-    )
+    add_workload_option(p)
     cut = p.add_mutually_exclusive_group()
     cut.add_argument(
         "--micro-batch",
-        type=lambda t: _count(t, low=1),
+        type=int_at_least(1),
         metavar="N",
         help="examples per micro-batch; must divide the batch (default: the workload's)",
     )
@@ -81,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--trace-steps",
-        type=lambda t: _count(t, low=0),
+        type=int_at_least(0),
         default=5,
         metavar="N",
         help=f"optimizer steps in the stage-2 trace comparison, at most {MAX_TRACE_STEPS}; 0 skips it "
@@ -100,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "workload's extras encode_fn and rep_loss_fn; for in-batch-negative losses",
     )
     p.add_argument("--device", default="cpu", help="where to run, e.g. cuda:0 (default cpu)")
-    p.add_argument("--seed", type=lambda t: _count(t, low=0), default=0, help="initialization/data seed")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="initialization/data seed")
     p.set_defaults(func=run)
 
 
