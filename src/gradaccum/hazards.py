@@ -378,7 +378,7 @@ def _closing_note() -> Finding:
             "empirical check: it compares the accumulated update with the full-batch update on your "
             "model and loss."
         ),
-        fix="run `gradaccum verify --workload MODULE:FUNCTION` (or gradaccum.verify.verify) on the model.",
+        fix="run `gradaccum verify --workload MODULE:FUNCTION` (or call gradaccum.verify(...)) on the model.",
     )
 
 
