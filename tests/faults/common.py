@@ -120,3 +120,11 @@ class Trip:
         hit = (self.calls is None or self.count in self.calls) and (self.when is None or self.when(inputs))
         if hit:
             raise self.error()
+
+
+def ok_values(outcomes: list[dict[str, Outcome]], name: str) -> list[Any]:
+    """Both ranks' values of scenario ``name``; each rank must have finished it in time without error."""
+    for rank in (0, 1):
+        o = outcomes[rank][name]
+        assert o.ok and o.seconds < AGREED_WITHIN_S, o.message
+    return [outcomes[rank][name].value for rank in (0, 1)]

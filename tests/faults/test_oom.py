@@ -18,12 +18,12 @@ from gradaccum.errors import PlanError
 from gradaccum.faults import RankFailedError, WindowOutOfMemoryError
 from gradaccum.oom import AdaptiveMicroBatch, step_adaptive
 from tests.faults.common import (
-    AGREED_WITHIN_S,
     F64_RTOL,
     Outcome,
     Trip,
     bundle,
     ddp_mlp,
+    ok_values,
     params,
     rel_err,
     run_all,
@@ -232,19 +232,12 @@ def outcomes() -> list[dict[str, Outcome]]:
     return bundle(_scenarios)
 
 
-def _pair(outcomes: list[dict[str, Outcome]], name: str) -> list[dict[str, Any]]:
-    for rank in (0, 1):
-        o = outcomes[rank][name]
-        assert o.ok and o.seconds < AGREED_WITHIN_S, o.message
-    return [outcomes[rank][name].value for rank in (0, 1)]
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["mid-window on rank 1", "last forward on rank 0"])
 def test_item11_oom_on_one_rank_is_retried_on_every_rank_at_the_same_global_batch(
     outcomes: list[dict[str, Outcome]], name: str
 ) -> None:
-    r0, r1 = _pair(outcomes, name)
+    r0, r1 = ok_values(outcomes, name)
     for got in (r0, r1):
         assert got["error"] is None and got["applied"]
         assert got["used"] == 2, "every rank halves together, whichever ran out of memory"
@@ -261,7 +254,7 @@ def test_item11_oom_on_one_rank_is_retried_on_every_rank_at_the_same_global_batc
 
 @pytest.mark.distributed
 def test_item11_oom_at_the_floor_raises_on_every_rank(outcomes: list[dict[str, Outcome]]) -> None:
-    for got in _pair(outcomes, "never fits on rank 1"):
+    for got in ok_values(outcomes, "never fits on rank 1"):
         kind, message, is_oom = got["error"]
         assert kind == "WindowOutOfMemoryError" and is_oom
         assert "rank 1 failed in forward of micro-batch 0" in message and "min_micro_batch=1" in message
@@ -270,7 +263,7 @@ def test_item11_oom_at_the_floor_raises_on_every_rank(outcomes: list[dict[str, O
 
 @pytest.mark.distributed
 def test_item11_ranks_give_up_together_when_one_cannot_shrink(outcomes: list[dict[str, Outcome]]) -> None:
-    for got in _pair(outcomes, "rank 0 at its floor"):
+    for got in ok_values(outcomes, "rank 0 at its floor"):
         kind, message, is_oom = got["error"]
         assert kind == "WindowOutOfMemoryError" and is_oom and "or the smallest allowed on another" in message
         assert same(got["params"], params(models.mlp()))
@@ -278,7 +271,7 @@ def test_item11_ranks_give_up_together_when_one_cannot_shrink(outcomes: list[dic
 
 @pytest.mark.distributed
 def test_item11_an_oom_mixed_with_another_failure_is_not_retried(outcomes: list[dict[str, Outcome]]) -> None:
-    r0, r1 = _pair(outcomes, "OOM on one rank, another error on the other")
+    r0, r1 = ok_values(outcomes, "OOM on one rank, another error on the other")
     assert r1["error"] == "ValueError"  # its own error surfaces on the rank that raised it
     assert r0["error"] == "RankFailedError" and not r0["oom"]
     assert "rank 1 failed in forward of micro-batch 1: ValueError: bad example" in r0["message"]

@@ -19,11 +19,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum import Accumulator
 from tests.faults.common import (
-    AGREED_WITHIN_S,
     F64_RTOL,
     Outcome,
     bundle,
     grads,
+    ok_values,
     params,
     rel_err,
     run_all,
@@ -156,17 +156,10 @@ def outcomes() -> list[dict[str, Outcome]]:
     return bundle(_scenarios)
 
 
-def _pair(outcomes: list[dict[str, Outcome]], name: str) -> list[dict[str, Any]]:
-    for rank in (0, 1):
-        o = outcomes[rank][name]
-        assert o.ok and o.seconds < AGREED_WITHIN_S, o.message
-    return [outcomes[rank][name].value for rank in (0, 1)]
-
-
 def test_item9_partly_used_parameters_get_the_full_batch_gradient_with_find_unused(
     outcomes: list[dict[str, Outcome]],
 ) -> None:
-    r0, r1 = _pair(outcomes, "find_unused_parameters=True")
+    r0, r1 = ok_values(outcomes, "find_unused_parameters=True")
     want = _reference()
     assert sorted(want) == [
         "head_a.bias",
@@ -190,7 +183,7 @@ def test_item9_partly_used_parameters_get_the_full_batch_gradient_with_find_unus
 def test_item9_without_find_unused_the_window_is_refused_on_every_rank_naming_the_parameters(
     outcomes: list[dict[str, Outcome]],
 ) -> None:
-    r0, r1 = _pair(outcomes, "find_unused_parameters=False")
+    r0, r1 = ok_values(outcomes, "find_unused_parameters=False")
     for rank, got in enumerate((r0, r1)):
         kind, message = got["error"]
         assert kind == "UnusedParameterError", message
@@ -213,7 +206,7 @@ def test_item9_without_find_unused_a_parameter_that_nothing_uses_is_named(
     outcomes: list[dict[str, Outcome]],
 ) -> None:
     # spare is trainable and used nowhere: DDP would wait for its gradient forever
-    for got in _pair(outcomes, "find_unused_parameters=False, a parameter no micro-batch uses"):
+    for got in ok_values(outcomes, "find_unused_parameters=False, a parameter no micro-batch uses"):
         kind, message = got["error"]
         assert (
             kind == "UnusedParameterError" and "module.spare.weight, module.spare.bias (2 missed)" in message
@@ -225,7 +218,7 @@ def test_item10_inference_inside_a_window_leaves_accumulated_gradients_intact(
     outcomes: list[dict[str, Outcome]],
 ) -> None:
     want = _reference()
-    for rank, got in enumerate(_pair(outcomes, "inference inside a window")):
+    for rank, got in enumerate(ok_values(outcomes, "inference inside a window")):
         trained = {k: v for k, v in got["grads"].items() if v is not None}
         assert rel_err(trained, want) < F64_RTOL and sorted(trained) == sorted(want)
         assert got["evals"] == [3 * 3, 2 * 2][rank]  # micro-batches x probes (rank 0 has a third)
