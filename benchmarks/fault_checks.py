@@ -24,12 +24,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradaccum.step as step_module
+import gradaccum.step.accumulator as step_module
 from gradaccum import Accumulator, split
 from gradaccum.examples import build_tiny_gpt, gpt_loss
 from gradaccum.examples.gpt import sample_sequences
-from gradaccum.faults import raise_alone
 from gradaccum.loss import count_tokens
+from gradaccum.step.agreement import raise_alone
 
 K = 4
 count = count_tokens("labels")

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradaccum import Accumulator, split
-from gradaccum.cache import CachedAccumulator
+from gradaccum.cache.accumulator import CachedAccumulator
 from gradaccum.examples.contrastive import encode_pairs, info_nce_sum, synthetic_pairs
 from gradaccum.loss import count_examples
 

@@ -3,13 +3,13 @@
 The library (:class:`Accumulator`, :class:`BatchPlan`, :func:`verify`, :func:`scan`, :func:`guard`,
 :class:`CachedAccumulator`, the measurement and training code) needs torch alone; the command line
 adds ``rich``, and plots add ``matplotlib``. ``gradaccum.train.train`` and ``gradaccum.bench`` stay in
-their subpackages' namespaces (``gradaccum.verify`` here is the function; its module is
-``gradaccum.verify`` in ``sys.modules`` and is imported as ``from gradaccum.verify import ...``).
+their subpackages' namespaces (``gradaccum.check.equivalence`` here is the function; its module is
+``gradaccum.check.equivalence`` in ``sys.modules`` and is imported as ``from gradaccum.check.equivalence import ...``).
 """
 
 from __future__ import annotations
 
-from gradaccum.batching import batch_size, split
+from gradaccum.batch import batch_size, split
 from gradaccum.bench import (
     AcceptResult,
     AcceptSpec,
@@ -29,8 +29,19 @@ from gradaccum.bench import (
     run_accept,
     run_sweep,
 )
-from gradaccum.cache import CachedAccumulator, cached_candidate, cached_candidate_for
-from gradaccum.dist import CollectiveError
+from gradaccum.cache.accumulator import CachedAccumulator, cached_candidate, cached_candidate_for
+from gradaccum.cache.replay import CacheError
+from gradaccum.check.equivalence import (
+    EquivalenceReport,
+    Tolerance,
+    TraceReport,
+    compare_traces,
+    verify,
+    verify_workload,
+)
+from gradaccum.check.workload import Workload, load_workload
+from gradaccum.distributed.dist import CollectiveError
+from gradaccum.distributed.sync import no_grad_sync, sync_kind
 from gradaccum.errors import (
     ConfigMismatchError,
     CountError,
@@ -45,18 +56,16 @@ from gradaccum.errors import (
     WindowError,
     WorkloadError,
 )
-from gradaccum.faults import RankFailedError, UnusedParameterError, WindowOutOfMemoryError
-from gradaccum.guard_rules import GUARD_RULES, GuardConfig, GuardError, GuardFinding, GuardWarning
-from gradaccum.hazards import Finding, scan
+from gradaccum.hazards.rules import GUARD_RULES, GuardConfig, GuardError, GuardFinding, GuardWarning
+from gradaccum.hazards.sanitizer import Guard, guard
+from gradaccum.hazards.scanner import Finding, scan
 from gradaccum.loss import IGNORE_INDEX, count_examples, count_tokens, summed_cross_entropy, valid_tokens
-from gradaccum.norms import grad_norm
-from gradaccum.oom import AdaptiveMicroBatch, step_adaptive
 from gradaccum.plan import BatchPlan, PlanComparison, compare_plans, factorizations, windows
-from gradaccum.replay import CacheError
 from gradaccum.runcard import RunCard, read_runcard, write_runcard
-from gradaccum.sanitizer import Guard, guard
-from gradaccum.step import AccumConfig, Accumulator, StepResult
-from gradaccum.sync import no_grad_sync, sync_kind
+from gradaccum.step.accumulator import AccumConfig, Accumulator, StepResult
+from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive
+from gradaccum.step.agreement import RankFailedError, UnusedParameterError, WindowOutOfMemoryError
+from gradaccum.step.norms import grad_norm
 from gradaccum.train import (
     CheckpointError,
     ScheduleConfig,
@@ -65,15 +74,6 @@ from gradaccum.train import (
     TrainError,
     TrainResult,
 )
-from gradaccum.verify import (
-    EquivalenceReport,
-    Tolerance,
-    TraceReport,
-    compare_traces,
-    verify,
-    verify_workload,
-)
-from gradaccum.workload import Workload, load_workload
 
 __version__ = "0.1.0"
 

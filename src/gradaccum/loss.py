@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gradaccum.batching import batch_size
+from gradaccum.batch import batch_size
 from gradaccum.errors import CountTypeError
 
 __all__ = [

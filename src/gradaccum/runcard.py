@@ -21,7 +21,7 @@ import torch
 
 from gradaccum.errors import GradAccumError, RunCardError
 from gradaccum.plan import BatchPlan
-from gradaccum.step import AccumConfig
+from gradaccum.step.accumulator import AccumConfig
 
 __all__ = [
     "FORMAT_VERSION",

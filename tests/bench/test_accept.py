@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from gradaccum.batching import split
+from gradaccum.batch import split
 from gradaccum.bench.accept import AcceptResult, AcceptSpec, partition, run_accept
 from gradaccum.bench.measure import measure_safely
 from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
 from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord
+from gradaccum.check.workload import load_workload
 from gradaccum.errors import PlanError, RunCardError
 from gradaccum.plan import BatchPlan, windows
 from gradaccum.runcard import environment, read_runcard
-from gradaccum.step import Accumulator
-from gradaccum.workload import load_workload
+from gradaccum.step.accumulator import Accumulator
 
 GPT = "gradaccum.examples:tiny_gpt"
 

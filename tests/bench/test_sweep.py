@@ -11,8 +11,8 @@ import pytest
 from gradaccum.bench.measure import measure_safely
 from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord
 from gradaccum.bench.sweep import ProgressEvent, SweepSpec, interleave, run_sweep
+from gradaccum.check.workload import load_workload
 from gradaccum.plan import BatchPlan
-from gradaccum.workload import load_workload
 from tests.bench import workloads
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum.batching import batch_size
-from gradaccum.workload import Workload
+from gradaccum.batch import batch_size
+from gradaccum.check.workload import Workload
 from tests.helpers import models
 
 OOM_FROM = 4

@@ -13,13 +13,13 @@ import pytest
 
 from gradaccum.bench.measure import measure_safely
 from gradaccum.bench.spec import MeasureSpec, RunRecord
+from gradaccum.check.workload import load_workload
 from gradaccum.cli import cmd_accept
 from gradaccum.cli.cmd_bench import Launching
 from gradaccum.cli.main import main
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import read_runcard
-from gradaccum.step import Accumulator
-from gradaccum.workload import load_workload
+from gradaccum.step.accumulator import Accumulator
 
 FAST = ["--steps", "2", "--warmup", "1", "--trace-steps", "2", "--threads", "1", "--no-progress"]
 FILES = {"results.json", "runcard.json", "report.md", "throughput.png", "memory.png"}

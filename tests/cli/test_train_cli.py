@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from gradaccum.check.workload import Workload
 from gradaccum.cli.main import main
-from gradaccum.config import AccumConfig
 from gradaccum.examples import tiny_gpt
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard, write_runcard
-from gradaccum.workload import Workload
+from gradaccum.step.config import AccumConfig
 from tests.train.common import one_thread
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradaccum import split
-from gradaccum.cache import CachedAccumulator
+from gradaccum.cache.accumulator import CachedAccumulator
 from tests.equivalence.test_cache import encode_pairs, pairs_batch, retrieval_loss, two_tower
 from tests.helpers.ddp import rank_slice, wrap
 from tests.helpers.launcher import run_ranks, values

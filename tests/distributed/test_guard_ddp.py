@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradaccum.sanitizer import GuardError, guard
-from gradaccum.step import Accumulator
+from gradaccum.hazards.sanitizer import GuardError, guard
+from gradaccum.step.accumulator import Accumulator
 from tests.helpers.ddp import wrap
 from tests.helpers.launcher import run_ranks, values
 

@@ -20,12 +20,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradaccum import Accumulator, split
-from gradaccum.batching import batch_size, to_device
-from gradaccum.cache import CachedAccumulator, CacheError, cached_candidate, cached_candidate_for
+from gradaccum.batch import batch_size, to_device
+from gradaccum.cache.accumulator import CachedAccumulator, CacheError, cached_candidate, cached_candidate_for
+from gradaccum.check.equivalence import verify_workload
 from gradaccum.errors import LossError, WorkloadError
 from gradaccum.examples import contrastive
 from gradaccum.loss import count_examples
-from gradaccum.verify import verify_workload
 from tests.helpers.reference import grads_of, max_rel_err, params_of
 
 REL_TOL = 1e-12
@@ -285,7 +285,7 @@ def _no_replay(state: Any) -> Iterator[None]:
 
 def test_without_rng_replay_the_masks_differ_and_the_step_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control for the RNG alignment: break it, and the replay check must catch it."""
-    monkeypatch.setattr("gradaccum.cache.replaying", _no_replay)
+    monkeypatch.setattr("gradaccum.cache.accumulator.replaying", _no_replay)
     micro = split(pairs_batch(), sizes=[3, 1, 4])
     ref = two_tower(dropout=0.3)
     torch.manual_seed(6)

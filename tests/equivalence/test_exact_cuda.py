@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum import Accumulator, batching, split
+from gradaccum import Accumulator, split
+from gradaccum.batch import to_device
 from tests.helpers import models
 from tests.helpers.reference import full_batch_grads, grads_of, max_rel_err
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.cuda
 
 
 def test_gpt_padded_sequences_match_full_batch_on_cuda() -> None:
-    batch = batching.to_device(models.gpt_batch(8, seed=3), "cuda")
+    batch = to_device(models.gpt_batch(8, seed=3), "cuda")
     want = full_batch_grads(models.gpt().cuda(), batch, models.gpt_loss, models.tokens)
     model = models.gpt().cuda()
     result = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0)).step(

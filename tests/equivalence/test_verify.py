@@ -1,4 +1,4 @@
-"""gradaccum.verify: passes what is exact, fails what is not, and names the cause.
+"""gradaccum.check.equivalence: passes what is exact, fails what is not, and names the cause.
 
 Tolerances: passing cases are held to 1e-12 relative in float64, tighter than verify's declared
 1e-10, because the two sides differ only in summation order (~1e-15 at these sizes). Failing cases
@@ -15,11 +15,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradaccum.batching import split
+from gradaccum.batch import split
+from gradaccum.check.equivalence import EquivalenceReport, verify, verify_workload
 from gradaccum.errors import CountError, EquivalenceError, PlanError, WorkloadError
 from gradaccum.examples import bn_cnn, contrastive, tiny_gpt
 from gradaccum.loss import count_examples
-from gradaccum.verify import EquivalenceReport, verify, verify_workload
 from tests.helpers import models
 
 EXACT = 1e-12

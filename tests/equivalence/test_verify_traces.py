@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
+from gradaccum.check.equivalence import compare_traces
 from gradaccum.errors import PlanError, WorkloadError
 from gradaccum.examples import bn_cnn, tiny_gpt
-from gradaccum.verify import compare_traces
 
 
 def test_tiny_gpt_traces_match_in_float32() -> None:

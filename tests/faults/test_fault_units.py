@@ -1,4 +1,4 @@
-"""The pieces of gradaccum.faults and gradaccum.dist on one process: no ranks needed."""
+"""The pieces of gradaccum.step.agreement and gradaccum.distributed.dist on one process: no ranks needed."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import torch
 import torch.nn as nn
 
 from gradaccum import Accumulator, GradAccumError, split
-from gradaccum.dist import CollectiveError, looks_like_comm_failure
-from gradaccum.faults import (
+from gradaccum.distributed.dist import CollectiveError, looks_like_comm_failure
+from gradaccum.distributed.sync import needs_every_parameter
+from gradaccum.step.agreement import (
     LocalFailure,
     RankFailedError,
     WindowOutOfMemoryError,
     raise_alone,
     unreached_parameters,
 )
-from gradaccum.sync import needs_every_parameter
 from tests.faults.common import Trip, params, same
 from tests.helpers import models
 

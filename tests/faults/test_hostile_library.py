@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradaccum import Accumulator, BatchPlan, count_tokens, factorizations, split, windows
-from gradaccum.batching import split_sizes, take
+from gradaccum.batch import split_sizes, take
 from gradaccum.errors import CountTypeError, PlanError, RunCardError
 from gradaccum.runcard import RunCard, read_runcard, write_runcard
 from tests.faults.common import AGREED_WITHIN_S, F64_RTOL, Outcome, bundle, ddp_mlp, grads, rel_err, run_all

@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum import Accumulator, split
-from gradaccum.batching import take
+from gradaccum.batch import take
 from tests.faults.common import AGREED_WITHIN_S, Outcome, bundle, ddp_mlp, params, run_all, same
 from tests.helpers import models
 

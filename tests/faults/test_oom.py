@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 
 from gradaccum import Accumulator, split
-from gradaccum.batching import take
+from gradaccum.batch import take
 from gradaccum.errors import PlanError
-from gradaccum.faults import RankFailedError, WindowOutOfMemoryError
-from gradaccum.oom import AdaptiveMicroBatch, step_adaptive
+from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive
+from gradaccum.step.agreement import RankFailedError, WindowOutOfMemoryError
 from tests.faults.common import (
     F64_RTOL,
     Outcome,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gradaccum import Accumulator, split
-from gradaccum.batching import take
-from gradaccum.step import ZERO_COUNT
+from gradaccum.batch import take
+from gradaccum.step.accumulator import ZERO_COUNT
 from tests.faults.common import (
     AGREED_WITHIN_S,
     F64_RTOL,

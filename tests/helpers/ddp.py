@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradaccum.batching import take
-from gradaccum.bench.comm import CommCounter, count_allreduces
+from gradaccum.batch import take
+from gradaccum.distributed.comm import CommCounter, count_allreduces
 
 
 def wrap(model: torch.nn.Module, bucket_cap_mb: float = 25.0) -> tuple[DDP, CommCounter]:

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from gradaccum.check.workload import Workload
 from gradaccum.examples import tiny_gpt
 from gradaccum.plan import BatchPlan
 from gradaccum.train import TrainConfig, TrainResult
 from gradaccum.train.schedule import ScheduleConfig
-from gradaccum.workload import Workload
 
 
 @contextlib.contextmanager

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradaccum.sanitizer import GUARD_RULES, Guard, GuardError, GuardSetupError, GuardWarning, guard
-from gradaccum.step import Accumulator
+from gradaccum.hazards.sanitizer import GUARD_RULES, Guard, GuardError, GuardSetupError, GuardWarning, guard
+from gradaccum.step.accumulator import Accumulator
 
 K = 4
 Batch = list[tuple[torch.Tensor, torch.Tensor]]

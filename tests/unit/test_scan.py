@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from gradaccum.errors import PlanError
 from gradaccum.examples import bn_cnn, contrastive, tiny_gpt
-from gradaccum.hazards import Finding, effective_momentum, matched_momentum, scan
+from gradaccum.hazards.scanner import Finding, effective_momentum, matched_momentum, scan
 
 # Momentum figures are a few float operations on numbers near 1: exact to ~1e-16, so 1e-12 is a
 # tolerance on arithmetic, not on a model.

@@ -7,7 +7,6 @@ Needs torch alone; the PNG plots import matplotlib when they are drawn. The work
 from __future__ import annotations
 
 from gradaccum.bench.accept import AcceptResult, AcceptSpec, Equivalence, check_equivalence, run_accept
-from gradaccum.bench.comm import CommCounter, count_allreduces
 from gradaccum.bench.measure import measure, measure_safely
 from gradaccum.bench.models import CommModel, MemoryModel, comm_model, fit_memory_model
 from gradaccum.bench.runfolder import new_run_folder, write_accept_folder, write_sweep_folder
@@ -16,6 +15,7 @@ from gradaccum.bench.spec import BenchError, Measurement, MeasureSettings, Measu
 from gradaccum.bench.stats import ConfigSummary, Spread, summarize
 from gradaccum.bench.sweep import ProgressEvent, SweepResult, SweepSpec, run_sweep
 from gradaccum.bench.verdict import ArmFigures, Criterion, ParamCheck, TraceCheck, Verdict, decide
+from gradaccum.distributed.comm import CommCounter, count_allreduces
 
 __all__ = [
     "AcceptResult",

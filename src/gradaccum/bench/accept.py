@@ -33,11 +33,11 @@ from gradaccum.bench.verdict import (
     Verdict,
     decide,
 )
-from gradaccum.config import AccumConfig
+from gradaccum.check.workload import Workload
 from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard
-from gradaccum.workload import Workload
+from gradaccum.step.config import AccumConfig
 
 __all__ = [
     "ACCEPT_SETTINGS",
@@ -167,7 +167,7 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
     against that batch in one forward/backward; the traces run ``trace_steps`` updates of both.
     """
     # imported here so that measurement works without the checks
-    from gradaccum.verify import compare_traces, verify
+    from gradaccum.check.equivalence import compare_traces, verify
 
     params = []
     details: dict[str, Any] = {}

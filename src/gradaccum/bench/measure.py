@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum import dist
-from gradaccum.batching import Batch, split, take
-from gradaccum.bench.comm import CommCounter, count_allreduces
+from gradaccum.batch import Batch, split, take
 from gradaccum.bench.spec import BenchError, Measurement, MeasureSpec, RunRecord
-from gradaccum.equivalence import cast_batch
-from gradaccum.step import Accumulator
-from gradaccum.workload import Workload
+from gradaccum.check.report import cast_batch
+from gradaccum.check.workload import Workload
+from gradaccum.distributed import dist
+from gradaccum.distributed.comm import CommCounter, count_allreduces
+from gradaccum.step.accumulator import Accumulator
 
 __all__ = ["measure", "measure_safely", "peak_rss_bytes"]
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gradaccum import dist
 from gradaccum.bench.spec import RESULT_PREFIX, MeasureSpec, RunRecord
+from gradaccum.distributed import dist
 
 __all__ = ["TORCHRUN_VARIABLES", "Launch", "free_port", "run_isolated", "run_joined"]
 

@@ -24,7 +24,7 @@ import torch
 
 from gradaccum.bench.measure import measure_safely
 from gradaccum.bench.spec import RESULT_PREFIX, MeasureSpec, RunRecord
-from gradaccum.workload import load_workload
+from gradaccum.check.workload import load_workload
 
 __all__ = ["run_job"]
 

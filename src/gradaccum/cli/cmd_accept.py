@@ -17,6 +17,7 @@ from rich.table import Table
 from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept
 from gradaccum.bench.report import comm_rows, memory_rows, time_rows
 from gradaccum.bench.spec import plan_label
+from gradaccum.check.workload import load_workload
 from gradaccum.cli.args import add_measure_options, measure_settings, parse_plan
 from gradaccum.cli.cmd_bench import (
     finish_launching,
@@ -29,7 +30,6 @@ from gradaccum.cli.cmd_bench import (
 )
 from gradaccum.cli.render import console, mark
 from gradaccum.runcard import environment
-from gradaccum.workload import load_workload
 
 EXIT_OK, EXIT_FAILED = 0, 1
 DEFAULT_BASELINE, DEFAULT_CANDIDATE = "8x4", "4x8"

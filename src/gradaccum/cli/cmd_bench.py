@@ -23,10 +23,10 @@ from gradaccum.bench.report import comm_rows, fmt_bytes, memory_rows, time_rows
 from gradaccum.bench.runner import TORCHRUN_VARIABLES, Launch, run_isolated, run_joined
 from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord, plan_label
 from gradaccum.bench.sweep import ProgressEvent, SweepSpec, run_sweep
+from gradaccum.check.workload import load_workload
 from gradaccum.cli.args import add_measure_options, measure_settings, parse_plan, parse_size
 from gradaccum.cli.render import console
 from gradaccum.errors import PlanError
-from gradaccum.workload import load_workload
 
 EXIT_OK, EXIT_FAILED = 0, 1
 

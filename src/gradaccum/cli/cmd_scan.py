@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 from rich.markup import escape
 
+from gradaccum.check.workload import load_workload
 from gradaccum.cli.args import add_workload_option, int_at_least
 from gradaccum.cli.render import console
 from gradaccum.errors import PlanError
-from gradaccum.hazards import Finding, scan
-from gradaccum.workload import load_workload
+from gradaccum.hazards.scanner import Finding, scan
 
 _STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
 

@@ -30,12 +30,12 @@ import torch
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gradaccum import dist
 from gradaccum.cli.render import console
-from gradaccum.config import AccumConfig
+from gradaccum.distributed import dist
 from gradaccum.errors import PlanError, TooManySkipsError
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import read_runcard
+from gradaccum.step.config import AccumConfig
 from gradaccum.train.checkpoint import resolve_checkpoint
 from gradaccum.train.config import DEFAULT_WORKLOAD, TrainConfig, TrainError
 from gradaccum.train.loop import RUNCARD_FILE, TrainControl, TrainResult, train

@@ -15,15 +15,15 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
+from gradaccum.check.equivalence import EquivalenceReport, TraceReport, compare_traces, verify_workload
+from gradaccum.check.report import GRAD_TOLERANCES, TRACE_TOLERANCES, dtype_name
+from gradaccum.check.traces import MAX_TRACE_STEPS
+from gradaccum.check.workload import Workload, load_workload
 from gradaccum.cli.args import add_workload_option, int_at_least
 from gradaccum.cli.cmd_scan import render_findings
 from gradaccum.cli.main import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from gradaccum.cli.render import console, mark
-from gradaccum.equivalence import GRAD_TOLERANCES, TRACE_TOLERANCES, dtype_name
 from gradaccum.errors import PlanError
-from gradaccum.traces import MAX_TRACE_STEPS
-from gradaccum.verify import EquivalenceReport, TraceReport, compare_traces, verify_workload
-from gradaccum.workload import Workload, load_workload
 
 WORST_SHOWN = 5
 _DTYPES = {dtype_name(d): d for d in (*GRAD_TOLERANCES, *TRACE_TOLERANCES)}
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     _check_partition(workload, args.micro_batch, args.sizes)
     candidate = None
     if args.cached:
-        from gradaccum.cache import cached_candidate_for
+        from gradaccum.cache.accumulator import cached_candidate_for
 
         candidate = cached_candidate_for(workload)
     console.print(f"[bold]verify {escape(workload.name)}[/bold]: {escape(workload.description)}")

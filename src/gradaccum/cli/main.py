@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 
 from gradaccum import __version__
-from gradaccum.dist import CollectiveError
+from gradaccum.distributed.dist import CollectiveError
 from gradaccum.errors import GradAccumError, TooManySkipsError
-from gradaccum.faults import RankFailedError
+from gradaccum.step.agreement import RankFailedError
 
 __all__ = ["build_parser", "main"]
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gradaccum.check.workload import Workload
 from gradaccum.examples.cnn import build_bn_cnn, cnn_loss, synthetic_images
 from gradaccum.examples.contrastive import (
     build_pair_encoder,
@@ -21,7 +22,6 @@ from gradaccum.examples.contrastive import (
 )
 from gradaccum.examples.gpt import GPTConfig, TinyGPT, sample_sequences, vocab
 from gradaccum.loss import count_examples, count_tokens, summed_cross_entropy
-from gradaccum.workload import Workload
 
 __all__ = ["bn_cnn", "build_tiny_gpt", "contrastive", "gpt_loss", "tiny_gpt"]
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum import dist
-from gradaccum.step import LossFn
+from gradaccum.check.workload import Workload
+from gradaccum.distributed import dist
+from gradaccum.step.accumulator import LossFn
 from gradaccum.train.config import TrainConfig, TrainError
-from gradaccum.workload import Workload
 
 __all__ = ["build_model", "build_optimizer", "build_scaler", "precision_loss"]
 

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from gradaccum import dist
+from gradaccum.distributed import dist
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import atomic_write_text
 from gradaccum.train.config import TrainError

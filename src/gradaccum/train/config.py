@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gradaccum.config import AccumConfig
 from gradaccum.errors import GradAccumError
 from gradaccum.plan import BatchPlan
+from gradaccum.step.config import AccumConfig
 from gradaccum.train.schedule import ScheduleConfig
 
 __all__ = [

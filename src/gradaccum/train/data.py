@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from gradaccum.batching import Batch, batch_size, split, take, to_device
+from gradaccum.batch import Batch, batch_size, split, take, to_device
 from gradaccum.plan import BatchPlan
-from gradaccum.step import CountFn
+from gradaccum.step.accumulator import CountFn
 from gradaccum.train.config import TrainError
 
 __all__ = [

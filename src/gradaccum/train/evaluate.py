@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum import dist
-from gradaccum.step import CountFn, LossFn
+from gradaccum.distributed import dist
+from gradaccum.step.accumulator import CountFn, LossFn
 
 __all__ = ["evaluate"]
 

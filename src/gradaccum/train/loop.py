@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum import dist
+from gradaccum.check.workload import Workload, load_workload
+from gradaccum.distributed import dist
 from gradaccum.runcard import RunCard, environment, write_runcard
-from gradaccum.step import Accumulator, CountFn, LossFn, StepResult
+from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
 from gradaccum.train.build import build_model, build_optimizer, build_scaler, precision_loss
 from gradaccum.train.checkpoint import TrainProgress, latest_checkpoint, load_checkpoint, save_checkpoint
 from gradaccum.train.config import TrainConfig, TrainError
@@ -43,7 +44,6 @@ from gradaccum.train.records import (
     TrainStart,
 )
 from gradaccum.train.schedule import Schedule, apply_lr, resolve_schedule
-from gradaccum.workload import Workload, load_workload
 
 __all__ = ["RUNCARD_FILE", "TrainControl", "TrainResult", "train"]
 

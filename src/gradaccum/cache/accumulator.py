@@ -24,12 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum import dist
-from gradaccum.config import LossReduction, StepResult
-from gradaccum.errors import WorkloadError
-from gradaccum.faults import LocalFailure
-from gradaccum.loss import count_examples
-from gradaccum.replay import (
+from gradaccum.cache.replay import (
     CacheError,
     RngState,
     ShapeMeta,
@@ -42,9 +37,14 @@ from gradaccum.replay import (
     replay_error,
     replaying,
 )
-from gradaccum.step import ZERO_COUNT, Accumulator, CountFn, Observer, WindowCount
-from gradaccum.sync import no_grad_sync
-from gradaccum.workload import Workload
+from gradaccum.check.workload import Workload
+from gradaccum.distributed import dist
+from gradaccum.distributed.sync import no_grad_sync
+from gradaccum.errors import WorkloadError
+from gradaccum.loss import count_examples
+from gradaccum.step.accumulator import ZERO_COUNT, Accumulator, CountFn, Observer, WindowCount
+from gradaccum.step.agreement import LocalFailure
+from gradaccum.step.config import LossReduction, StepResult
 
 __all__ = [
     "CacheError",
@@ -63,7 +63,7 @@ RepLossFn = Callable[[Any], torch.Tensor]
 one tensor per tower), each concatenated along dim 0 in window order, all ranks' in rank order."""
 CandidateStep = Callable[[nn.Module, torch.optim.Optimizer, list[Any]], None]
 """``candidate_step(model, optimizer, micro_batches)``: one accumulated update, for ``verify``
-(the same shape as :data:`gradaccum.verify.CandidateStep`)."""
+(the same shape as :data:`gradaccum.check.equivalence.CandidateStep`)."""
 
 DEFAULT_REPLAY_RTOL = 1e-2
 

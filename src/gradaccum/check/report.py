@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from gradaccum.batching import Batch
+from gradaccum.batch import Batch
 from gradaccum.errors import EquivalenceError
-from gradaccum.hazards import Finding, stochastic_modules
+from gradaccum.hazards.scanner import Finding, stochastic_modules
 
 __all__ = [
     "GRAD_TOLERANCES",
@@ -89,7 +89,7 @@ class ParamRow(NamedTuple):
 
     name: str
     grad_rel_err: float
-    """Relative L2 error of the accumulated gradient (floored as ``gradaccum.verify.FLOOR_RATIO`` says)."""
+    """Relative L2 error of the accumulated gradient (floored by ``check.equivalence.FLOOR_RATIO``)."""
     param_abs_diff: float
     """Largest absolute difference after one optimizer update."""
 

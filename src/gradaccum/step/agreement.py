@@ -22,7 +22,7 @@ where every backward or forward synchronizes (``defer_sync=False``, FSDP).
 If any rank failed, every rank clears its gradients and raises: the failing rank its own exception,
 the others :class:`RankFailedError`, which names the rank, the phase, the micro-batch and the error.
 When every failure was an out-of-memory error, every rank raises :class:`WindowOutOfMemoryError`
-(itself a ``torch.OutOfMemoryError``) and :func:`gradaccum.oom.step_adaptive` can retry the window
+(itself a ``torch.OutOfMemoryError``) and :func:`gradaccum.step.adaptive.step_adaptive` can retry the window
 with smaller micro-batches. The process group and the DDP wrapper stay usable: DDP expects the
 backward of a synchronizing forward that completed (even under ``no_sync`` later), so the window
 after an agreed failure starts with a synchronizing micro-batch on every rank, which resets that
@@ -35,7 +35,7 @@ at once instead of at the timeout, for one all-reduce of three numbers and one h
 window (about 0.2 ms on two gloo ranks on one host; ``benchmarks/fault_checks.py`` measures it).
 
 Where ranks cannot agree, the others fail at the process-group timeout, or as soon as the failed
-process exits, with :class:`~gradaccum.dist.CollectiveError`:
+process exits, with :class:`~gradaccum.distributed.dist.CollectiveError`:
 
 - a failure inside the synchronizing backward, the optimizer step, the scheduler or a hook;
 - FSDP and FSDP2, whose forwards all-gather parameters: a rank that stops mid-window leaves the
@@ -58,9 +58,9 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 
-from gradaccum import dist
+from gradaccum.distributed import dist
 from gradaccum.errors import ConfigMismatchError, GradAccumError, SyncError
-from gradaccum.norms import local_grads_finite, local_part
+from gradaccum.step.norms import local_grads_finite, local_part
 
 __all__ = [
     "LocalFailure",
@@ -172,7 +172,7 @@ def raise_agreed(local: LocalFailure | None, failed: int, oom: int, group: Any) 
         raise WindowOutOfMemoryError(
             f"out of memory in this window ({text}). Every rank discarded the window's gradients and "
             "applied no update; retry the same examples with smaller micro-batches "
-            "(gradaccum.oom.step_adaptive does).",
+            "(gradaccum.step.adaptive.step_adaptive does).",
             failures,
         ) from None
     if local is not None and not local.oom:

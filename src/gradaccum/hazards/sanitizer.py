@@ -44,7 +44,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum.guard_rules import (
+from gradaccum.distributed.sync import sync_kind
+from gradaccum.hazards.lossform import WEIGHT_RTOL, LossForm, listed, read_loss
+from gradaccum.hazards.rules import (
     GUARD_RULES,
     RULE_TEXT,
     GuardConfig,
@@ -54,8 +56,6 @@ from gradaccum.guard_rules import (
     GuardSetupError,
     GuardWarning,
 )
-from gradaccum.lossform import WEIGHT_RTOL, LossForm, listed, read_loss
-from gradaccum.sync import sync_kind
 
 __all__ = [
     "GUARD_RULES",

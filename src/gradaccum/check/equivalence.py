@@ -7,9 +7,9 @@ default; random layers are switched off (dropout only: normalization keeps its t
 because per-micro-batch statistics are exactly what must show). Gradients are compared before
 clipping and parameters after one optimizer update, against tolerances declared per dtype.
 
-On failure the likely cause comes from :func:`gradaccum.hazards.scan`, the hazards the workload
+On failure the likely cause comes from :func:`gradaccum.hazards.scanner.scan`, the hazards the workload
 declares, and three cheap probes: is the reference reproducible, is ``count_fn`` additive over the
-micro-batches, is ``loss_fn``. The production-precision trace stage is :mod:`gradaccum.traces`.
+micro-batches, is ``loss_fn``. The production-precision trace stage is :mod:`gradaccum.check.traces`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from gradaccum.batching import Batch, batch_size, split, split_sizes
-from gradaccum.equivalence import (
+from gradaccum.batch import Batch, batch_size, split, split_sizes
+from gradaccum.check.report import (
     GRAD_TOLERANCES,
     PARAM_TOLERANCES,
     EquivalenceReport,
@@ -32,11 +32,11 @@ from gradaccum.equivalence import (
     disable_stochastic,
     dtype_name,
 )
+from gradaccum.check.traces import TraceReport, compare_traces
+from gradaccum.check.workload import OptimizerFactory, Workload, sgd
 from gradaccum.errors import CountError, LossError, PlanError, WorkloadError
-from gradaccum.hazards import Finding, scan
-from gradaccum.step import Accumulator, CountFn, LossFn
-from gradaccum.traces import TraceReport, compare_traces
-from gradaccum.workload import OptimizerFactory, Workload, sgd
+from gradaccum.hazards.scanner import Finding, scan
+from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
 
 __all__ = [
     "GRAD_TOLERANCES",
@@ -70,7 +70,7 @@ def _tolerances(dtype: torch.dtype) -> tuple[Tolerance, Tolerance]:
         raise PlanError(
             f"verify runs its diagnostic in {supported}, not {dtype}: half-precision rounding "
             "(~1e-3) hides the weighting errors it must catch. Use float64 for the check and "
-            "gradaccum.traces.compare_traces for production precision."
+            "gradaccum.check.traces.compare_traces for production precision."
         )
     return GRAD_TOLERANCES[dtype], PARAM_TOLERANCES[dtype]
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum.batching import Batch
+from gradaccum.batch import Batch
 from gradaccum.errors import GradAccumError, WorkloadError
-from gradaccum.step import CountFn, LossFn
+from gradaccum.step.accumulator import CountFn, LossFn
 
 __all__ = ["OptimizerFactory", "Workload", "load_workload", "sgd"]
 

@@ -11,7 +11,7 @@ Everything that belongs to the optimizer step (zero_grad, unscale, clip, step, s
 runs once per window; nothing runs per micro-batch except forward and backward.
 
 A failure on one rank stops every rank at an agreement point instead of leaving the others in a
-collective: :mod:`gradaccum.faults` says where, and what that cannot cover.
+collective: :mod:`gradaccum.step.agreement` says where, and what that cannot cover.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum import dist
-from gradaccum.config import AccumConfig, LossReduction, StepResult
+from gradaccum.distributed import dist
+from gradaccum.distributed.sync import SyncKind, check_sync_on, needs_every_parameter, no_grad_sync, sync_kind
 from gradaccum.errors import CountError, SyncError, TooManySkipsError, WindowError
-from gradaccum.faults import (
+from gradaccum.step.agreement import (
     LocalFailure,
     agree_before_backward,
     back_off_scaler,
@@ -37,9 +37,9 @@ from gradaccum.faults import (
     raise_agreed,
     raise_from_sync_backward,
 )
-from gradaccum.norms import clip_grads_, grad_norm
-from gradaccum.sync import SyncKind, check_sync_on, needs_every_parameter, no_grad_sync, sync_kind
-from gradaccum.validate import as_count, check_loss, check_window_shapes, unmean
+from gradaccum.step.checks import as_count, check_loss, check_window_shapes, unmean
+from gradaccum.step.config import AccumConfig, LossReduction, StepResult
+from gradaccum.step.norms import clip_grads_, grad_norm
 
 __all__ = ["AccumConfig", "Accumulator", "CountFn", "LossFn", "StepResult", "WindowCount"]
 
@@ -421,7 +421,7 @@ class Accumulator:
         self._checked_ranks = True
         check_ranks_agree(settings, self.model, self.dp_group)
 
-    # -- agreement points (gradaccum.faults) ------------------------------------------------
+    # -- agreement points (gradaccum.step.agreement) ------------------------------------------------
 
     def _agree(self, index: int, contribution: torch.Tensor | None) -> None:
         """Before a synchronizing backward: all ranks go on, or all clear their gradients and raise."""

@@ -3,8 +3,8 @@
 Exact accumulation does not depend on how a window is cut, so a window that ran out of memory
 can be re-run at a smaller micro-batch with the same global batch and the same result. What makes
 that safe under data parallelism is agreement: an OOM on one rank is reported at the window's
-agreement point (see :mod:`gradaccum.faults`), every rank discards the partial window and raises
-:class:`~gradaccum.faults.WindowOutOfMemoryError`, and every rank halves and retries (Composer's
+agreement point (see :mod:`gradaccum.step.agreement`), every rank discards the partial window and raises
+:class:`~gradaccum.step.agreement.WindowOutOfMemoryError`, and every rank halves and retries (Composer's
 all-reduced OOM flag, without its per-module hooks). The retry restores the random generators to
 where the failed attempt began, so dropout draws what an uninterrupted run would.
 
@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from gradaccum import dist
-from gradaccum.batching import Batch, batch_size, split
-from gradaccum.config import StepResult
+from gradaccum.batch import Batch, batch_size, split
+from gradaccum.distributed import dist
 from gradaccum.errors import PlanError
-from gradaccum.faults import WindowOutOfMemoryError
-from gradaccum.step import Accumulator, CountFn, LossFn
+from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
+from gradaccum.step.agreement import WindowOutOfMemoryError
+from gradaccum.step.config import StepResult
 
 __all__ = ["AdaptiveMicroBatch", "step_adaptive"]
 

@@ -1,6 +1,7 @@
 """The guard's vocabulary: its rules, its findings, its settings and its errors.
 
-Kept apart from :mod:`gradaccum.sanitizer` (the watching machinery) so that the rules read as one table.
+Kept apart from :mod:`gradaccum.hazards.sanitizer` (the watching machinery) so that the rules read
+as one table.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The parts of gradient caching that handle representations: RNG capture and replay, checks,
 the exact gather across ranks, and the scalar that sends cached gradients into a replay.
 
-:mod:`gradaccum.cache` composes them into :class:`~gradaccum.cache.CachedAccumulator`.
+:mod:`gradaccum.cache.accumulator` composes them into :class:`~gradaccum.cache.accumulator.CachedAccumulator`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gradaccum import dist
+from gradaccum.distributed import dist
 from gradaccum.errors import GradAccumError, LossError
 
 __all__ = [

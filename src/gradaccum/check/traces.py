@@ -1,6 +1,6 @@
 """Stage 2 of the equivalence check: loss and gradient-norm traces in production precision.
 
-After the full-precision diagnostic (:mod:`gradaccum.verify`), the seeds' acceptance test restores
+After the full-precision diagnostic (:mod:`gradaccum.check.equivalence`), the seeds' acceptance test restores
 production precision and compares two partitionings over a predeclared window of optimizer steps:
 the same initial weights, the same batches (step ``s`` draws ``make_batch(n, seed + s)``), random
 layers off, and nothing different but how each batch is cut. Rounding differs between the two cuts
@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from gradaccum.batching import split, split_sizes
-from gradaccum.equivalence import TRACE_TOLERANCES, TraceReport, cast_batch, disable_stochastic, dtype_name
+from gradaccum.batch import split, split_sizes
+from gradaccum.check.report import TRACE_TOLERANCES, TraceReport, cast_batch, disable_stochastic, dtype_name
+from gradaccum.check.workload import Workload
 from gradaccum.errors import PlanError, WorkloadError
-from gradaccum.step import Accumulator
-from gradaccum.workload import Workload
+from gradaccum.step.accumulator import Accumulator
 
 __all__ = ["MAX_TRACE_STEPS", "TraceReport", "compare_traces"]
 

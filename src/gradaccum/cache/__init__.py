@@ -1,0 +1,1 @@
+"""Gradient caching: exact accumulation for losses over the whole window's representations."""

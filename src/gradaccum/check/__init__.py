@@ -1,0 +1,1 @@
+"""The equivalence check (``gradaccum.verify``), its traces stage, reports, tolerances and workloads."""

@@ -1,0 +1,1 @@
+"""Everything that talks to ``torch.distributed``: the collectives, sync deferral, wrapping, counting."""

@@ -1,0 +1,1 @@
+"""What breaks equivalence: the static scan, and the guard for hand-written loops."""
