@@ -1,24 +1,71 @@
-"""The exception hierarchy.
+"""The exception hierarchy: every error (and the one warning) gradaccum raises on purpose.
 
-Every error gradaccum raises on purpose derives from :class:`GradAccumError`, names the setting and
-the values involved, and says how to fix it. The ``ValueError``/``TypeError`` bases let callers that
-already catch those keep working.
+Every error derives from :class:`GradAccumError`, names the setting and the values involved, and
+says how to fix it. The ``ValueError``/``TypeError``/``RuntimeError`` bases let callers that
+already catch those keep working. The tree::
+
+    GradAccumError
+      PlanError            batch arithmetic that does not add up
+      WindowError          a window that cannot be stepped (empty here or on another rank)
+      CountError           count_fn returned something that is not a count
+        CountTypeError     counting met labels of the wrong dtype
+      LossError            loss_fn returned something that is not a summed scalar loss
+      SyncError            gradient sync cannot be deferred as asked
+        ConfigMismatchError  ranks disagree on settings or model
+        UnusedParameterError DDP would wait for gradients a backward never produces
+        CollectiveError      a collective failed: another rank stopped taking part
+      RankFailedError      a rank failed in this window; every rank stopped with it
+        WindowOutOfMemoryError  ... of memory, on every rank alike (also a torch.OutOfMemoryError)
+      TooManySkipsError    too many updates in a row were skipped
+      EquivalenceError     the accumulated update does not match the full batch
+      WorkloadError        a workload that cannot be loaded or run
+      RunCardError         a run card that is missing, truncated or inconsistent
+      CacheError           representations that cannot be cached and replayed exactly
+      GuardError           the guard found a misuse (mode="raise")
+      GuardSetupError      the guard's own arguments are invalid
+      BenchError           a measurement that cannot be set up or summarized
+      TrainError           a training run that cannot start or continue
+        CheckpointError    a checkpoint that is missing, corrupt or for another run
+      ScheduleError        a learning-rate schedule that cannot be honoured
+    GuardWarning (a UserWarning)  the guard found a misuse (mode="warn")
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from gradaccum.hazards.rules import GuardFinding
+
 __all__ = [
+    "BenchError",
+    "CacheError",
+    "CheckpointError",
+    "CollectiveError",
     "ConfigMismatchError",
     "CountError",
     "CountTypeError",
     "EquivalenceError",
     "GradAccumError",
+    "GuardError",
+    "GuardSetupError",
+    "GuardWarning",
     "LossError",
     "PlanError",
+    "RankFailedError",
+    "RankFailure",
     "RunCardError",
+    "ScheduleError",
     "SyncError",
     "TooManySkipsError",
+    "TrainError",
+    "UnusedParameterError",
     "WindowError",
+    "WindowOutOfMemoryError",
     "WorkloadError",
 ]
 
@@ -55,6 +102,49 @@ class ConfigMismatchError(SyncError):
     """Data-parallel ranks disagree on a setting that must be identical on every rank."""
 
 
+class UnusedParameterError(SyncError):
+    """Under DDP without ``find_unused_parameters``, a synchronizing backward would miss parameters."""
+
+
+class CollectiveError(SyncError):
+    """A collective failed: another rank stopped taking part (it failed, died, or hangs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """What one rank reported about its failure in a window (carried by :class:`RankFailedError`)."""
+
+    rank: int
+    """The rank that failed."""
+    phase: str
+    """Where: ``reading the window``, ``count_fn``, ``forward`` (loss_fn) or ``backward``."""
+    micro_batch: int | None
+    """Index of the micro-batch in that rank's window (None before any micro-batch ran)."""
+    error_type: str
+    """Class name of the exception the rank raised."""
+    message: str
+    """Its text, cut to a few hundred characters."""
+    oom: bool
+    """True for an out-of-memory error, which a smaller micro-batch may avoid."""
+
+    def describe(self) -> str:
+        where = self.phase if self.micro_batch is None else f"{self.phase} of micro-batch {self.micro_batch}"
+        return f"rank {self.rank} failed in {where}: {self.error_type}: {self.message}"
+
+
+class RankFailedError(GradAccumError, RuntimeError):
+    """A data-parallel rank failed in this window; every rank stopped with it, no update applied."""
+
+    def __init__(self, message: str, failures: Sequence[RankFailure] = ()) -> None:
+        super().__init__(message)
+        self.failures: tuple[RankFailure, ...] = tuple(failures)
+        """Every failing rank's report, in rank order."""
+
+
+class WindowOutOfMemoryError(RankFailedError, torch.cuda.OutOfMemoryError):
+    """Out of memory in this window (on any rank); raised on every rank, so all may retry together."""
+
+
 class TooManySkipsError(GradAccumError, RuntimeError):
     """Too many consecutive optimizer updates were skipped (non-finite loss or gradients)."""
 
@@ -64,8 +154,47 @@ class EquivalenceError(GradAccumError):
 
 
 class WorkloadError(GradAccumError, ValueError):
-    """A workload path or workload object is malformed."""
+    """A workload path or workload object is malformed, or the workload's own code failed."""
 
 
 class RunCardError(GradAccumError, ValueError):
     """A run card is missing, truncated or inconsistent."""
+
+
+class CacheError(GradAccumError, ValueError):
+    """Representations that cannot be cached and replayed exactly (wrong type, not reproducible)."""
+
+
+class GuardError(GradAccumError, RuntimeError):
+    """A misuse the guard found in ``mode="raise"``; ``finding`` says what, where and the fix."""
+
+    def __init__(self, finding: GuardFinding) -> None:
+        super().__init__(str(finding))
+        self.finding = finding
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.finding,))
+
+
+class GuardSetupError(GradAccumError, ValueError):
+    """The guard's own arguments are invalid."""
+
+
+class GuardWarning(UserWarning):
+    """A misuse the guard found in ``mode="warn"``; it points at the user's line."""
+
+
+class BenchError(GradAccumError, ValueError):
+    """A measurement that cannot be set up or summarized as asked."""
+
+
+class TrainError(GradAccumError, ValueError):
+    """A training run that cannot start or continue as configured."""
+
+
+class CheckpointError(TrainError):
+    """A checkpoint that is missing, incomplete, corrupt, or written for a different run."""
+
+
+class ScheduleError(GradAccumError, ValueError):
+    """A schedule whose warmup, horizon or floor cannot be honoured."""

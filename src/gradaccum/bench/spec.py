@@ -12,7 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-from gradaccum.errors import GradAccumError
+from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import PRECISIONS
 
@@ -32,10 +32,6 @@ RESULT_PREFIX = "GRADACCUM_RESULT "
 RunStatus = Literal["ok", "oom", "failed", "timeout"]
 """``ok``; ``oom``: the device ran out of memory (caught, freed); ``failed``: an error or a crash;
 ``timeout``: the run did not finish in time and was killed."""
-
-
-class BenchError(GradAccumError, ValueError):
-    """A measurement that cannot be set up or summarized as asked."""
 
 
 def _positive(name: str, value: object, *, zero_ok: bool = False) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradaccum.distributed import dist
-from gradaccum.errors import GradAccumError, LossError
+from gradaccum.errors import CacheError, LossError
 
 __all__ = [
     "CacheError",
@@ -33,10 +33,6 @@ __all__ = [
 
 ShapeMeta = list[tuple[tuple[int, ...], str]]
 """One rank's representations: (shape, dtype name) per tower."""
-
-
-class CacheError(GradAccumError, ValueError):
-    """Representations that cannot be cached and replayed exactly (wrong type, not reproducible)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradaccum.errors import SyncError
+from gradaccum.errors import CollectiveError
 
 __all__ = [
     "CollectiveError",
@@ -30,10 +30,6 @@ __all__ = [
 # gloo raises plain RuntimeErrors whose text names its source file (".../gloo/transport/...").
 # Narrow on purpose: a user's own "connection reset" must not be mistaken for a lost peer.
 _COMM_FAILURE_TEXTS = ("gloo", "nccl")
-
-
-class CollectiveError(SyncError):
-    """A collective failed: another rank stopped taking part (it failed, died, or hangs)."""
 
 
 def is_distributed(group: Any = None) -> bool:

@@ -7,9 +7,9 @@ as one table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from gradaccum.errors import GradAccumError
+from gradaccum.errors import GuardError, GuardSetupError, GuardWarning
 
 __all__ = [
     "GUARD_RULES",
@@ -108,25 +108,6 @@ RULE_TEXT: dict[str, tuple[str, str, str]] = {
 }
 GUARD_RULES: dict[str, str] = {code: summary for code, (summary, _, _) in RULE_TEXT.items()}
 """Every rule the guard checks, by code: what ``ignore`` accepts and what findings carry."""
-
-
-class GuardError(GradAccumError, RuntimeError):
-    """A misuse the guard found in ``mode="raise"``; ``finding`` says what, where and the fix."""
-
-    def __init__(self, finding: GuardFinding) -> None:
-        super().__init__(str(finding))
-        self.finding = finding
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.finding,))
-
-
-class GuardSetupError(GradAccumError, ValueError):
-    """The guard's own arguments are invalid."""
-
-
-class GuardWarning(UserWarning):
-    """A misuse the guard found in ``mode="warn"``; it points at the user's line."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

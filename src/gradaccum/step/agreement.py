@@ -59,7 +59,14 @@ import torch
 import torch.nn as nn
 
 from gradaccum.distributed import dist
-from gradaccum.errors import ConfigMismatchError, GradAccumError, SyncError
+from gradaccum.errors import (
+    ConfigMismatchError,
+    RankFailedError,
+    RankFailure,
+    SyncError,
+    UnusedParameterError,
+    WindowOutOfMemoryError,
+)
 from gradaccum.step.norms import local_grads_finite, local_part
 
 __all__ = [
@@ -90,28 +97,6 @@ def is_oom(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class RankFailure:
-    """What one rank reported about its failure in a window."""
-
-    rank: int
-    """The rank that failed."""
-    phase: str
-    """Where: ``reading the window``, ``count_fn``, ``forward`` (loss_fn) or ``backward``."""
-    micro_batch: int | None
-    """Index of the micro-batch in that rank's window (None before any micro-batch ran)."""
-    error_type: str
-    """Class name of the exception the rank raised."""
-    message: str
-    """Its text, cut to a few hundred characters."""
-    oom: bool
-    """True for an out-of-memory error, which a smaller micro-batch may avoid."""
-
-    def describe(self) -> str:
-        where = self.phase if self.micro_batch is None else f"{self.phase} of micro-batch {self.micro_batch}"
-        return f"rank {self.rank} failed in {where}: {self.error_type}: {self.message}"
-
-
-@dataclass(frozen=True, slots=True)
 class LocalFailure:
     """This rank's exception, held until the next agreement point."""
 
@@ -135,23 +120,6 @@ class LocalFailure:
             message=text,
             oom=self.oom,
         )
-
-
-class RankFailedError(GradAccumError, RuntimeError):
-    """A data-parallel rank failed in this window; every rank stopped with it, no update applied."""
-
-    def __init__(self, message: str, failures: Sequence[RankFailure] = ()) -> None:
-        super().__init__(message)
-        self.failures: tuple[RankFailure, ...] = tuple(failures)
-        """Every failing rank's report, in rank order."""
-
-
-class WindowOutOfMemoryError(RankFailedError, torch.cuda.OutOfMemoryError):
-    """Out of memory in this window (on any rank); raised on every rank, so all may retry together."""
-
-
-class UnusedParameterError(SyncError):
-    """Under DDP without ``find_unused_parameters``, a synchronizing backward would miss parameters."""
 
 
 def raise_agreed(local: LocalFailure | None, failed: int, oom: int, group: Any) -> NoReturn:

@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gradaccum.distributed import dist
+from gradaccum.errors import CheckpointError
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import atomic_write_text
-from gradaccum.train.config import TrainError
 from gradaccum.train.data import DataPosition
 
 __all__ = [
@@ -58,10 +58,6 @@ __all__ = [
 CHECKPOINT_FORMAT = 1
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
-
-
-class CheckpointError(TrainError):
-    """A checkpoint that is missing, incomplete, or written for a different run configuration."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gradaccum.errors import GradAccumError
+from gradaccum.errors import TrainError
 from gradaccum.plan import BatchPlan
 from gradaccum.step.config import AccumConfig
 from gradaccum.train.schedule import ScheduleConfig
@@ -31,10 +31,6 @@ OptimizerName = Literal["adamw", "sgd", "workload"]
 
 _PRECISIONS = ("float64", "float32", "bfloat16", "float16")
 _OPTIMIZERS = ("adamw", "sgd", "workload")
-
-
-class TrainError(GradAccumError, ValueError):
-    """A training run that cannot start or continue as configured."""
 
 
 def _positive(name: str, value: object, *, allow_none: bool = True) -> None:

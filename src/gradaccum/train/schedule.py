@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from gradaccum.errors import GradAccumError
+from gradaccum.errors import ScheduleError
 
 __all__ = [
     "SKIPPED_POLICY",
@@ -51,10 +51,6 @@ SKIPPED_POLICY = {
 
 DEFAULT_WARMUP_FRACTION = 0.1
 """Warmup, when unset, is this fraction of the horizon."""
-
-
-class ScheduleError(GradAccumError, ValueError):
-    """A schedule whose warmup, horizon or floor cannot be honoured."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
