@@ -1,165 +1,139 @@
 """gradaccum: exact, verified and measured gradient accumulation for PyTorch.
 
-The library (:class:`Accumulator`, :class:`BatchPlan`, :func:`verify`, :func:`scan`, :func:`guard`,
-:class:`CachedAccumulator`, the measurement and training code) needs torch alone; the command line
-adds ``rich``, and plots add ``matplotlib``. ``gradaccum.train.train`` and ``gradaccum.bench`` stay in
-their subpackages' namespaces (``gradaccum.check.equivalence`` here is the function; its module is
-``gradaccum.check.equivalence`` in ``sys.modules`` and is imported as ``from gradaccum.check.equivalence import ...``).
+The names below are what a user calls: the step, the plan, counting and loss helpers, the checks,
+their reports, and the errors worth catching. Each is imported on first use, so ``import
+gradaccum`` costs nothing and never pulls in the measurement (``gradaccum.bench``), the training
+front end (``gradaccum.train``), ``torch.distributed.checkpoint``, matplotlib or rich. Everything
+else lives in its feature's folder: ``gradaccum.step``, ``gradaccum.cache``, ``gradaccum.check``,
+``gradaccum.hazards``, ``gradaccum.distributed``, ``gradaccum.bench``, ``gradaccum.train``;
+every exception class is in ``gradaccum.errors``.
 """
 
 from __future__ import annotations
 
-from gradaccum.batch import batch_size, split
-from gradaccum.bench import (
-    AcceptResult,
-    AcceptSpec,
-    BenchError,
-    CommModel,
-    Measurement,
-    MeasureSettings,
-    MeasureSpec,
-    MemoryModel,
-    SweepResult,
-    SweepSpec,
-    Verdict,
-    comm_model,
-    decide,
-    fit_memory_model,
-    measure,
-    run_accept,
-    run_sweep,
-)
-from gradaccum.cache.accumulator import CachedAccumulator, cached_candidate, cached_candidate_for
-from gradaccum.cache.replay import CacheError
-from gradaccum.check.equivalence import (
-    EquivalenceReport,
-    Tolerance,
-    TraceReport,
-    compare_traces,
-    verify,
-    verify_workload,
-)
-from gradaccum.check.workload import Workload, load_workload
-from gradaccum.distributed.dist import CollectiveError
-from gradaccum.distributed.sync import no_grad_sync, sync_kind
-from gradaccum.errors import (
-    ConfigMismatchError,
-    CountError,
-    CountTypeError,
-    EquivalenceError,
-    GradAccumError,
-    LossError,
-    PlanError,
-    RunCardError,
-    SyncError,
-    TooManySkipsError,
-    WindowError,
-    WorkloadError,
-)
-from gradaccum.hazards.rules import GUARD_RULES, GuardConfig, GuardError, GuardFinding, GuardWarning
-from gradaccum.hazards.sanitizer import Guard, guard
-from gradaccum.hazards.scanner import Finding, scan
-from gradaccum.loss import IGNORE_INDEX, count_examples, count_tokens, summed_cross_entropy, valid_tokens
-from gradaccum.plan import BatchPlan, PlanComparison, compare_plans, factorizations, windows
-from gradaccum.runcard import RunCard, read_runcard, write_runcard
-from gradaccum.step.accumulator import AccumConfig, Accumulator, StepResult
-from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive
-from gradaccum.step.agreement import RankFailedError, UnusedParameterError, WindowOutOfMemoryError
-from gradaccum.step.norms import grad_norm
-from gradaccum.train import (
-    CheckpointError,
-    ScheduleConfig,
-    TrainConfig,
-    TrainControl,
-    TrainError,
-    TrainResult,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+_EXPORTS: dict[str, str] = {
+    # the exact step
+    "Accumulator": "gradaccum.step.accumulator",
+    "AccumConfig": "gradaccum.step.config",
+    "StepResult": "gradaccum.step.config",
+    "CachedAccumulator": "gradaccum.cache.accumulator",
+    "AdaptiveMicroBatch": "gradaccum.step.adaptive",
+    "step_adaptive": "gradaccum.step.adaptive",
+    # the plan and its windows
+    "BatchPlan": "gradaccum.plan",
+    "windows": "gradaccum.plan",
+    "split": "gradaccum.batch",
+    # counting and summed losses
+    "count_tokens": "gradaccum.loss",
+    "count_examples": "gradaccum.loss",
+    "summed_cross_entropy": "gradaccum.loss",
+    # the checks
+    "verify": "gradaccum.check.equivalence",
+    "verify_workload": "gradaccum.check.equivalence",
+    "compare_traces": "gradaccum.check.traces",
+    "scan": "gradaccum.hazards.scanner",
+    "guard": "gradaccum.hazards.sanitizer",
+    "Workload": "gradaccum.check.workload",
+    # their reports
+    "EquivalenceReport": "gradaccum.check.report",
+    "TraceReport": "gradaccum.check.report",
+    "Finding": "gradaccum.hazards.scanner",
+    # the errors a caller catches (every class is in gradaccum.errors)
+    "GradAccumError": "gradaccum.errors",
+    "ConfigError": "gradaccum.errors",
+    "PlanError": "gradaccum.errors",
+    "WindowError": "gradaccum.errors",
+    "CountError": "gradaccum.errors",
+    "LossError": "gradaccum.errors",
+    "SyncError": "gradaccum.errors",
+    "RankFailedError": "gradaccum.errors",
+    "WindowOutOfMemoryError": "gradaccum.errors",
+    "TooManySkipsError": "gradaccum.errors",
+    "EquivalenceError": "gradaccum.errors",
+    "WorkloadError": "gradaccum.errors",
+}
 
 __all__ = [
-    "GUARD_RULES",
-    "IGNORE_INDEX",
-    "AcceptResult",
-    "AcceptSpec",
     "AccumConfig",
     "Accumulator",
     "AdaptiveMicroBatch",
     "BatchPlan",
-    "BenchError",
-    "CacheError",
     "CachedAccumulator",
-    "CheckpointError",
-    "CollectiveError",
-    "CommModel",
-    "ConfigMismatchError",
+    "ConfigError",
     "CountError",
-    "CountTypeError",
     "EquivalenceError",
     "EquivalenceReport",
     "Finding",
     "GradAccumError",
-    "Guard",
-    "GuardConfig",
-    "GuardError",
-    "GuardFinding",
-    "GuardWarning",
     "LossError",
-    "MeasureSettings",
-    "MeasureSpec",
-    "Measurement",
-    "MemoryModel",
-    "PlanComparison",
     "PlanError",
     "RankFailedError",
-    "RunCard",
-    "RunCardError",
-    "ScheduleConfig",
     "StepResult",
-    "SweepResult",
-    "SweepSpec",
     "SyncError",
-    "Tolerance",
     "TooManySkipsError",
     "TraceReport",
-    "TrainConfig",
-    "TrainControl",
-    "TrainError",
-    "TrainResult",
-    "UnusedParameterError",
-    "Verdict",
     "WindowError",
     "WindowOutOfMemoryError",
     "Workload",
     "WorkloadError",
     "__version__",
-    "batch_size",
-    "cached_candidate",
-    "cached_candidate_for",
-    "comm_model",
-    "compare_plans",
     "compare_traces",
     "count_examples",
     "count_tokens",
-    "decide",
-    "factorizations",
-    "fit_memory_model",
-    "grad_norm",
     "guard",
-    "load_workload",
-    "measure",
-    "no_grad_sync",
-    "read_runcard",
-    "run_accept",
-    "run_sweep",
     "scan",
     "split",
     "step_adaptive",
     "summed_cross_entropy",
-    "sync_kind",
-    "valid_tokens",
     "verify",
     "verify_workload",
     "windows",
-    "write_runcard",
 ]
+"""The public API; each name but ``__version__`` is imported from its module on first use."""
+
+if TYPE_CHECKING:
+    from gradaccum.batch import split
+    from gradaccum.cache.accumulator import CachedAccumulator
+    from gradaccum.check.equivalence import verify, verify_workload
+    from gradaccum.check.report import EquivalenceReport, TraceReport
+    from gradaccum.check.traces import compare_traces
+    from gradaccum.check.workload import Workload
+    from gradaccum.errors import (
+        ConfigError,
+        CountError,
+        EquivalenceError,
+        GradAccumError,
+        LossError,
+        PlanError,
+        RankFailedError,
+        SyncError,
+        TooManySkipsError,
+        WindowError,
+        WindowOutOfMemoryError,
+        WorkloadError,
+    )
+    from gradaccum.hazards.sanitizer import guard
+    from gradaccum.hazards.scanner import Finding, scan
+    from gradaccum.loss import count_examples, count_tokens, summed_cross_entropy
+    from gradaccum.plan import BatchPlan, windows
+    from gradaccum.step.accumulator import Accumulator
+    from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive
+    from gradaccum.step.config import AccumConfig, StepResult
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

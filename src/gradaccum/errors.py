@@ -5,6 +5,7 @@ says how to fix it. The ``ValueError``/``TypeError``/``RuntimeError`` bases let 
 already catch those keep working. The tree::
 
     GradAccumError
+      ConfigError          a setting of the wrong type or out of range (also a TypeError)
       PlanError            batch arithmetic that does not add up
       WindowError          a window that cannot be stepped (empty here or on another rank)
       CountError           count_fn returned something that is not a count
@@ -46,6 +47,7 @@ __all__ = [
     "CacheError",
     "CheckpointError",
     "CollectiveError",
+    "ConfigError",
     "ConfigMismatchError",
     "CountError",
     "CountTypeError",
@@ -72,6 +74,10 @@ __all__ = [
 
 class GradAccumError(Exception):
     """Base class of every error gradaccum raises deliberately."""
+
+
+class ConfigError(GradAccumError, TypeError, ValueError):
+    """A setting of the wrong type or out of range; names the setting, the value and what it takes."""
 
 
 class PlanError(GradAccumError, ValueError):

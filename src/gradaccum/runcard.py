@@ -13,15 +13,15 @@ import platform
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradaccum.errors import GradAccumError, RunCardError
+from gradaccum.errors import ConfigError, GradAccumError, RunCardError
 from gradaccum.plan import BatchPlan
-from gradaccum.step.accumulator import AccumConfig
+from gradaccum.step.config import AccumConfig
 
 __all__ = [
     "FORMAT_VERSION",
@@ -82,7 +82,7 @@ class RunCard:
             "accum_steps": self.plan.accum_steps,
             "dp": self.plan.dp,
             "global_batch": self.plan.global_batch,
-            "accum": asdict(self.accum),
+            "accum": self.accum.to_dict(),
             "precision": self.precision,
             "denominator": self.denominator,
             "tokens_per_step": self.tokens_per_step,
@@ -127,16 +127,11 @@ class RunCard:
                 f"{plan.micro_batch} x {plan.dp} x {plan.accum_steps} = {plan.global_batch}; "
                 "the card is inconsistent (edited by hand?)"
             )
-        accum_data = data["accum"]
-        if not isinstance(accum_data, dict):
-            raise RunCardError(f"run card 'accum' must be an object, got {type(accum_data).__name__}")
-        known = set(AccumConfig.__dataclass_fields__)
-        unknown = sorted(set(accum_data) - known)
-        if unknown:
-            raise RunCardError(f"run card 'accum' has unknown settings {unknown}; known: {sorted(known)}")
+        if not isinstance(data["accum"], dict):
+            raise RunCardError(f"run card 'accum' must be an object, got {type(data['accum']).__name__}")
         try:
-            accum = AccumConfig(**accum_data)
-        except (TypeError, ValueError) as exc:
+            accum = AccumConfig.from_dict(data["accum"])
+        except ConfigError as exc:
             raise RunCardError(f"run card 'accum' is invalid: {exc}") from exc
         if not isinstance(data["workload"], str) or not isinstance(data["seed"], int):
             raise RunCardError("run card 'workload' must be a string and 'seed' an integer")

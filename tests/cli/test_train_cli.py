@@ -128,6 +128,22 @@ def test_runcard_with_another_dp_or_conflicting_flags_is_refused(
     assert "--runcard fixes --micro-batch" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("key", "value"), [("skip_nonfinite", "false"), ("defer_sync", "no")])
+def test_runcard_with_string_booleans_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, value: str
+) -> None:
+    """``bool("false")`` is true: a card edited by hand this way would mean the opposite of what it says."""
+    card = _card(tmp_path / "card.json", BatchPlan(micro_batch=4, accum_steps=2, dp=1))
+    data = json.loads(card.read_text())
+    data["accum"][key] = value
+    card.write_text(json.dumps(data))
+    run_dir = tmp_path / "run"
+    assert main(["train", "--runcard", str(card), "--steps", "1", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"{key} must be True or False, got {value!r} (str)" in err and "Traceback" not in err
+    assert not run_dir.exists()
+
+
 def test_resume_with_another_plan_is_refused_showing_both(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaccum import Accumulator, split, sync_kind
+from gradaccum import Accumulator, split
+from gradaccum.distributed.sync import sync_kind
 from tests.helpers import models
 from tests.helpers.ddp import rank_slice
 from tests.helpers.launcher import run_ranks, values

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from gradaccum import Accumulator, split
 from gradaccum.batch import batch_size, to_device
-from gradaccum.cache.accumulator import CachedAccumulator, CacheError, cached_candidate, cached_candidate_for
+from gradaccum.cache.accumulator import CachedAccumulator
+from gradaccum.cache.candidate import cached_candidate, cached_candidate_for
 from gradaccum.check.equivalence import verify_workload
-from gradaccum.errors import LossError, WorkloadError
+from gradaccum.errors import CacheError, LossError, WorkloadError
 from gradaccum.examples import contrastive
 from gradaccum.loss import count_examples
 from tests.helpers.reference import grads_of, max_rel_err, params_of

@@ -7,15 +7,10 @@ import torch
 import torch.nn as nn
 
 from gradaccum import Accumulator, GradAccumError, split
-from gradaccum.distributed.dist import CollectiveError, looks_like_comm_failure
+from gradaccum.distributed.dist import looks_like_comm_failure
 from gradaccum.distributed.sync import needs_every_parameter
-from gradaccum.step.agreement import (
-    LocalFailure,
-    RankFailedError,
-    WindowOutOfMemoryError,
-    raise_alone,
-    unreached_parameters,
-)
+from gradaccum.errors import CollectiveError, RankFailedError, WindowOutOfMemoryError
+from gradaccum.step.agreement import LocalFailure, raise_alone, unreached_parameters
 from tests.faults.common import Trip, params, same
 from tests.helpers import models
 

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from gradaccum import Accumulator, BatchPlan, count_tokens, factorizations, split, windows
+from gradaccum import Accumulator, BatchPlan, count_tokens, split, windows
 from gradaccum.batch import split_sizes, take
 from gradaccum.errors import CountTypeError, PlanError, RunCardError
+from gradaccum.plan import factorizations
 from gradaccum.runcard import RunCard, read_runcard, write_runcard
 from tests.faults.common import AGREED_WITHIN_S, F64_RTOL, Outcome, bundle, ddp_mlp, grads, rel_err, run_all
 from tests.helpers import models
@@ -125,9 +126,15 @@ EDITS = [
     ({"accum_steps": _DELETE}, "run card is missing accum_steps"),
     ({"format_version": 99}, "format_version 99 is not supported"),
     ({"precision": "fp8"}, "precision must be one of"),
-    ({"accum": {"defer_sync": True, "max_grad_norm": -1.0}}, "max_grad_norm must be a positive number"),
+    (
+        {"accum": {"defer_sync": True, "max_grad_norm": -1.0}},
+        "max_grad_norm must be a positive finite number",
+    ),
     ({"accum": {"bucket_size": 3}}, r"unknown settings \['bucket_size'\]"),
     ({"accum": "sum"}, "'accum' must be an object, got str"),
+    ({"accum": {"skip_nonfinite": "false"}}, r"skip_nonfinite must be True or False, got 'false' \(str\)"),
+    ({"accum": {"defer_sync": "no"}}, r"defer_sync must be True or False, got 'no' \(str\)"),
+    ({"accum": {"max_consecutive_skips": 2.5}}, "max_consecutive_skips must be a positive integer"),
     ({"seed": "0"}, "'seed' an integer"),
     ({"workload": 5}, "'workload' must be a string"),
     ({"tokens_per_step": -5}, "tokens_per_step must be a non-negative integer, got -5"),

@@ -14,9 +14,8 @@ import torch.nn as nn
 
 from gradaccum import Accumulator, split
 from gradaccum.batch import take
-from gradaccum.errors import PlanError
+from gradaccum.errors import PlanError, RankFailedError, WindowOutOfMemoryError
 from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive
-from gradaccum.step.agreement import RankFailedError, WindowOutOfMemoryError
 from tests.faults.common import (
     F64_RTOL,
     Outcome,

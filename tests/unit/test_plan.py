@@ -1,6 +1,7 @@
 import pytest
 
-from gradaccum import BatchPlan, PlanError, compare_plans, factorizations, windows
+from gradaccum import BatchPlan, PlanError, windows
+from gradaccum.plan import compare_plans, factorizations
 
 
 def test_batch_equation() -> None:

@@ -6,10 +6,8 @@ the exact gather across ranks, and the scalar that sends cached gradients into a
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,48 +17,17 @@ from gradaccum.errors import CacheError, LossError
 
 __all__ = [
     "CacheError",
-    "RngState",
     "ShapeMeta",
     "as_reps",
-    "capture_rng",
     "check_ranks_reps",
     "check_rep_loss",
     "gather_reps",
     "replay_contribution",
     "replay_error",
-    "replaying",
 ]
 
 ShapeMeta = list[tuple[tuple[int, ...], str]]
 """One rank's representations: (shape, dtype name) per tower."""
-
-
-@dataclass(frozen=True, slots=True)
-class RngState:
-    """The generator states one micro-batch's first pass started from."""
-
-    cpu: torch.Tensor
-    cuda: tuple[tuple[int, torch.Tensor], ...]
-    """(device index, state) for each CUDA device holding the model's parameters."""
-
-
-def capture_rng(cuda_devices: Sequence[int]) -> RngState:
-    """The CPU generator's state and that of each CUDA device in ``cuda_devices``."""
-    return RngState(torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in cuda_devices))
-
-
-@contextlib.contextmanager
-def replaying(state: RngState) -> Iterator[None]:
-    """Run the block from ``state``, then put the generators back where they were.
-
-    The window therefore advances the global generators once (by its first passes), exactly as one
-    un-cached pass over the same micro-batches would.
-    """
-    with torch.random.fork_rng(devices=[d for d, _ in state.cuda]):
-        torch.set_rng_state(state.cpu)
-        for device, cuda_state in state.cuda:
-            torch.cuda.set_rng_state(cuda_state, device)
-        yield
 
 
 def as_reps(out: object, index: int) -> tuple[tuple[torch.Tensor, ...], bool]:

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     _check_partition(workload, args.micro_batch, args.sizes)
     candidate = None
     if args.cached:
-        from gradaccum.cache.accumulator import cached_candidate_for
+        from gradaccum.cache.candidate import cached_candidate_for
 
         candidate = cached_candidate_for(workload)
     console.print(f"[bold]verify {escape(workload.name)}[/bold]: {escape(workload.description)}")

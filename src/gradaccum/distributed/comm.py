@@ -1,16 +1,20 @@
-"""Counting DDP's gradient all-reduces: a comm hook that counts calls and bytes, then averages.
+"""Counting communication: DDP's gradient all-reduces (a comm hook), and the step's own collectives
+and host reads (a patch, for tests and benchmarks).
 
 No ``from __future__ import annotations`` in this module: DDP inspects the hook's ``bucket``
 annotation and needs the real ``dist.GradBucket`` class, not a string.
 """
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["CommCounter", "count_allreduces"]
+__all__ = ["CommCounter", "SyncPoints", "count_allreduces", "count_sync_points"]
 
 
 @dataclass
@@ -40,3 +44,78 @@ def count_allreduces(ddp: DistributedDataParallel) -> CommCounter:
     counter = CommCounter()
     ddp.register_comm_hook(counter, _counting_allreduce)
     return counter
+
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "barrier",
+)
+_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@dataclass
+class SyncPoints:
+    """Collectives issued from Python and device-to-host reads, since the counter started.
+
+    DDP's gradient all-reduces run inside its C++ reducer and are not counted here: they are the
+    comm hook's (:class:`CommCounter`). What is counted are the step's own small collectives (the
+    counts, the agreement, a gather) and every read of a tensor's value on the host, which waits for
+    the device to finish (a synchronization point on an accelerator).
+    """
+
+    collectives: int = 0
+    host_reads: int = 0
+    by_name: dict[str, int] = field(default_factory=dict)
+
+    def _add(self, name: str, host: bool) -> None:
+        if host:
+            self.host_reads += 1
+        else:
+            self.collectives += 1
+        self.by_name[name] = self.by_name.get(name, 0) + 1
+
+
+@contextlib.contextmanager
+def count_sync_points() -> Iterator[SyncPoints]:
+    """``with count_sync_points() as points:`` counts the collectives and host reads inside.
+
+    Patches ``torch.distributed``'s collectives and ``torch.Tensor``'s value reads for the block
+    and restores them on exit; nested calls (``all_gather_object`` calls ``all_gather``) count once.
+    For tests and benchmarks only: it slows every counted call a little.
+    """
+    points = SyncPoints()
+    depth = [0]
+    saved: list[tuple[object, str, object]] = []
+
+    def wrap(owner: object, name: str, host: bool) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                points._add(name, host)
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    for name in _COLLECTIVES:
+        if hasattr(dist, name):
+            wrap(dist, name, False)
+    for name in _HOST_READS:
+        wrap(torch.Tensor, name, True)
+    try:
+        yield points
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)

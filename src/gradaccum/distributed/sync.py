@@ -9,15 +9,22 @@ wrap the forward *and* the backward of a micro-batch, never the backward alone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Literal
+from contextlib import AbstractContextManager
+from typing import Any, Literal
 
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.errors import SyncError
 
-__all__ = ["SyncKind", "check_sync_on", "needs_every_parameter", "no_grad_sync", "sync_kind"]
+__all__ = [
+    "SyncKind",
+    "check_sync_on",
+    "needs_every_parameter",
+    "no_grad_sync",
+    "sync_deferred",
+    "sync_kind",
+]
 
 SyncKind = Literal["local", "ddp", "fsdp", "fsdp2"]
 """How a module's gradients are synchronized: not at all (``local``), or by which wrapper."""
@@ -53,30 +60,46 @@ def sync_kind(module: nn.Module) -> SyncKind:
     return "local"
 
 
-@contextlib.contextmanager
-def no_grad_sync(module: nn.Module, enabled: bool = True) -> Iterator[None]:
+class _Fsdp2NoSync:
+    """FSDP2's sync switch as a context: off inside, on after (see :func:`sync_deferred`)."""
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def __enter__(self) -> None:
+        self._module.set_requires_gradient_sync(False)  # type: ignore[operator]
+
+    def __exit__(self, *exc: object) -> None:
+        # FSDP2 has no public getter for this flag. The final micro-batch of every window needs
+        # sync on, so "on" is the state a window must leave behind; it is also FSDP2's default.
+        self._module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+_NOTHING_TO_DEFER = contextlib.nullcontext()
+
+
+def sync_deferred(module: nn.Module, kind: SyncKind, enabled: bool = True) -> AbstractContextManager[Any]:
+    """The context that defers ``module``'s gradient sync (``kind`` = :func:`sync_kind` of it).
+
+    The step calls this once per micro-batch with the kind it computed when it was built, so the
+    hot path does no type checks and, for a plain module, builds no context at all.
+    """
+    if not enabled or kind == "local":
+        return _NOTHING_TO_DEFER
+    if kind == "fsdp2":
+        return _Fsdp2NoSync(module)
+    return module.no_sync()  # type: ignore[operator]
+
+
+def no_grad_sync(module: nn.Module, enabled: bool = True) -> AbstractContextManager[Any]:
     """Within this context, backward passes accumulate locally without synchronizing gradients.
 
     Wrap forward and backward of every micro-batch but the last. ``enabled=False`` is a no-op, so
     the caller's loop stays one shape. A plain module has nothing to defer.
     """
-    if not enabled:
-        yield
-        return
-    kind = sync_kind(module)
-    if kind in ("ddp", "fsdp"):
-        with module.no_sync():  # type: ignore[operator]
-            yield
-    elif kind == "fsdp2":
-        # FSDP2 has no public getter for this flag. The final micro-batch of every window needs
-        # sync on, so "on" is the state a window must leave behind; it is also FSDP2's default.
-        module.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            module.set_requires_gradient_sync(True)  # type: ignore[operator]
-    else:
-        yield
+    return sync_deferred(module, sync_kind(module), enabled)
 
 
 def check_sync_on(module: nn.Module) -> None:

@@ -15,16 +15,15 @@ forwards communicate, so only a single process, or DDP, retries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gradaccum.batch import Batch, batch_size, split
 from gradaccum.distributed import dist
-from gradaccum.errors import PlanError
+from gradaccum.errors import PlanError, WindowOutOfMemoryError
+from gradaccum.rng import capture_rng, restore_rng
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
-from gradaccum.step.agreement import WindowOutOfMemoryError
 from gradaccum.step.config import StepResult
 
 __all__ = ["AdaptiveMicroBatch", "step_adaptive"]
@@ -40,23 +39,6 @@ def _sizes(total: int, micro_batch: int) -> list[int]:
     """Micro-batches of ``micro_batch`` examples and, if it does not divide, one shorter last one."""
     full, rest = divmod(total, micro_batch)
     return [micro_batch] * full + ([rest] if rest else [])
-
-
-@dataclass(frozen=True, slots=True)
-class _RngState:
-    cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None
-
-
-def _rng_state() -> _RngState:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return _RngState(torch.get_rng_state(), cuda)
-
-
-def _restore(state: _RngState) -> None:
-    torch.set_rng_state(state.cpu)
-    if state.cuda is not None:
-        torch.cuda.set_rng_state_all(state.cuda)
 
 
 def step_adaptive(
@@ -76,12 +58,13 @@ def step_adaptive(
     micro-batch. Raises :class:`WindowOutOfMemoryError` on every rank when even
     ``min_micro_batch`` does not fit.
     """
+    _check_drivable(acc)
     size = _positive("micro_batch", micro_batch)
     floor = _positive("min_micro_batch", min_micro_batch)
     if floor > size:
         raise PlanError(f"min_micro_batch={floor} is larger than micro_batch={size}")
     total = batch_size(local_batch)
-    rng = _rng_state()
+    rng = capture_rng()
     while True:
         window = split(local_batch, sizes=_sizes(total, size)) if total else []
         try:
@@ -99,8 +82,25 @@ def step_adaptive(
         # outside the except block: the failed attempt's traceback, and with it its activations,
         # are released before the retry allocates again
         _release_cached_memory(acc)
-        _restore(rng)
+        restore_rng(rng)
         size = max(floor, size // 2)
+
+
+def _check_drivable(acc: object) -> None:
+    """Only :class:`Accumulator` steps with ``(window, loss_fn, count_fn)``; refuse anything else."""
+    if isinstance(acc, Accumulator):
+        return
+    from gradaccum.cache.accumulator import CachedAccumulator
+
+    if isinstance(acc, CachedAccumulator):
+        raise TypeError(
+            "step_adaptive and AdaptiveMicroBatch drive Accumulator.step(window, loss_fn, count_fn); a "
+            "CachedAccumulator steps with (window, encode_fn, loss_fn) instead and holds only one "
+            "micro-batch's activations at a time already. Retry its window yourself on "
+            "WindowOutOfMemoryError (every rank raises it together): split the same examples into "
+            "smaller micro-batches and call CachedAccumulator.step again; the objective is the same."
+        )
+    raise TypeError(f"step_adaptive needs a gradaccum.Accumulator, got {type(acc).__name__}")
 
 
 def _device(acc: Accumulator) -> torch.device:
@@ -121,6 +121,7 @@ class AdaptiveMicroBatch:
     """
 
     def __init__(self, acc: Accumulator, micro_batch: int, *, min_micro_batch: int = 1) -> None:
+        _check_drivable(acc)
         self.acc = acc
         self.micro_batch = _positive("micro_batch", micro_batch)
         """The micro-batch the next step starts from: the last one that fit."""

@@ -78,12 +78,15 @@ __all__ = [
     "agree_before_backward",
     "back_off_scaler",
     "check_buffer_broadcasts",
-    "check_ranks_agree",
+    "fingerprint",
+    "fingerprints_agree",
     "is_oom",
     "raise_agreed",
     "raise_alone",
     "raise_from_sync_backward",
+    "raise_mismatch",
     "raise_unreached",
+    "rank_settings",
     "unreached_parameters",
 ]
 
@@ -176,20 +179,25 @@ def agree_before_backward(
     failure: LocalFailure | None,
     contribution: torch.Tensor | None,
     index: int,
-    model: nn.Module,
     kind: str,
     *,
     check_parameters: Sequence[tuple[str, torch.Tensor]],
     group: Any,
+    tally: torch.Tensor,
     resynchronizing: bool = False,
-) -> None:
+) -> list[float] | None:
     """The agreement point before a synchronizing backward: returns on every rank, or raises on all.
 
     ``failure`` is this rank's exception in the window so far (it arrives here from the micro-batch
     it failed in); ``contribution`` the tensor about to be backpropagated. ``check_parameters``
     (named; DDP without ``find_unused_parameters``): each rank also checks that its backward
-    reaches every one of them, since DDP would otherwise wait for their gradients.
+    reaches every one of them, since DDP would otherwise wait for their gradients. ``tally`` (a
+    1-d float64 tensor: the window's summed loss so far, the replay rejections) travels in the same
+    all-reduce, so the window's global loss costs no collective of its own.
     ``resynchronizing``: this is the synchronizing first micro-batch after an agreed failure.
+
+    Returns the tally summed over ranks, as host floats, after a DDP agreement; ``None`` where no
+    rank can be met (one process, FSDP): the caller reduces the tally itself.
     """
     if failure is not None and dist.looks_like_comm_failure(failure.error):
         raise_alone(failure, recoverable=False)  # a peer is gone: agreeing would wait for the timeout
@@ -199,7 +207,7 @@ def agree_before_backward(
         # all-gather, which no agreement can reach; they fail at the process-group timeout.
         if failure is not None:
             raise_alone(failure, recoverable=not distributed)
-        return
+        return None
     missed: list[str] = []
     if failure is None and contribution is not None and check_parameters:
         unreached = unreached_parameters(contribution, [p for _, p in check_parameters])
@@ -207,14 +215,17 @@ def agree_before_backward(
     flags = torch.tensor(
         [failure is not None, failure is not None and failure.oom, bool(missed)],
         dtype=torch.float64,
-        device=contribution.device if contribution is not None else _device_of(model),
+        device=tally.device,
     )
-    dist.all_reduce_sum_(flags, group, what=f"the failure flags before micro-batch {index}'s backward")
-    failed, oom, missing = (int(v) for v in flags.tolist())
+    payload = torch.cat([flags, tally.detach().to(torch.float64).reshape(-1)])
+    dist.all_reduce_sum_(payload, group, what=f"the failure flags before micro-batch {index}'s backward")
+    values = payload.tolist()
+    failed, oom, missing = (int(v) for v in values[:3])
     if failed:
         raise_agreed(failure, failed, oom, group)
     if missing:
         raise_unreached(missed, index, group, resynchronizing=resynchronizing)
+    return values[3:]
 
 
 def check_buffer_broadcasts(broadcasting: int, world: int) -> None:
@@ -235,11 +246,6 @@ def check_buffer_broadcasts(broadcasting: int, world: int) -> None:
             ".module, or build it with broadcast_buffers=False (constant buffers such as masks need "
             "no broadcast; BatchNorm statistics then stay per rank)."
         )
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 def raise_from_sync_backward(exc: Exception, index: int, group: Any) -> NoReturn:
@@ -333,30 +339,59 @@ def _shape_table(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     ]
 
 
-def check_ranks_agree(settings: dict[str, Any], model: nn.Module, group: Any) -> None:
-    """Before any gradient moves: every rank must run the same settings and the same model.
+FINGERPRINT_SLOTS = 6
+"""Values the configuration fingerprint adds to the window's counts all-reduce."""
+_CHUNK_BITS = 16
 
-    One all-gather of a few values per rank; a second one, of every parameter's name, shape and
-    dtype, only when the digests differ, to say where.
-    """
+
+def rank_settings(settings: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """What every rank must have in common: the accumulator's settings and the model's parameters."""
     table = _shape_table(model)
     mine = dict(settings)
     mine["parameters"] = len(table)
     mine["parameter elements"] = sum(p.numel() for p in model.parameters())
     mine["parameter shapes"] = hashlib.sha1(repr(table).encode()).hexdigest()[:12]
+    return mine
+
+
+def fingerprint(mine: dict[str, Any]) -> list[float]:
+    """Three 16-bit chunks of a digest of ``mine`` and their squares, to be summed over ranks.
+
+    After the sum, every rank holds the same chunk c on all W ranks iff W * sum(c^2) == sum(c)^2
+    (equality in Cauchy-Schwarz); exact in float64 for W < 2**21. So the check rides in the
+    counts all-reduce that every window has anyway, instead of a gather of its own. Two different
+    configurations agree by chance with probability 2**-48.
+    """
+    digest = int(hashlib.sha1(repr(sorted(mine.items())).encode()).hexdigest(), 16)
+    mask = (1 << _CHUNK_BITS) - 1
+    chunks = [float((digest >> (_CHUNK_BITS * i)) & mask) for i in range(FINGERPRINT_SLOTS // 2)]
+    return chunks + [c * c for c in chunks]
+
+
+def fingerprints_agree(summed: Sequence[float], world: int) -> bool:
+    """Whether the summed :func:`fingerprint` values say every rank holds the same fingerprint."""
+    half = FINGERPRINT_SLOTS // 2
+    return all(world * summed[half + i] == summed[i] * summed[i] for i in range(half))
+
+
+def raise_mismatch(mine: dict[str, Any], model: nn.Module, group: Any) -> NoReturn:
+    """Every rank, after the fingerprints disagreed: gather what each rank has, name the difference.
+
+    One all-gather of a few values per rank; a second one, of every parameter's name, shape and
+    dtype, only when the parameter digests differ, to say where.
+    """
     everyone = dist.all_gather_objects(mine, group, what="the rank configuration fingerprint")
-    differing = [key for key in mine if len({repr(r[key]) for r in everyone}) > 1]
-    if not differing:
-        return
+    differing = [key for key in mine if len({repr(r.get(key)) for r in everyone}) > 1]
     lines = [
-        f"  {key}: " + ", ".join(f"rank {r}={v[key]!r}" for r, v in enumerate(everyone)) for key in differing
+        f"  {key}: " + ", ".join(f"rank {r}={v.get(key)!r}" for r, v in enumerate(everyone))
+        for key in differing
     ]
     if "parameter shapes" in differing:
-        tables = dist.all_gather_objects(table, group, what="the parameter shapes")
+        tables = dist.all_gather_objects(_shape_table(model), group, what="the parameter shapes")
         lines.append("  " + _first_difference(tables))
     raise ConfigMismatchError(
         "data-parallel ranks disagree before the first step; no gradient was exchanged:\n"
-        + "\n".join(lines)
+        + "\n".join(lines or ["  (the settings differ in a way the summary does not show)"])
         + "\nEvery rank must build the same model and the same Accumulator settings."
     )
 

@@ -1,18 +1,36 @@
-"""The Accumulator's settings and what one step reports: plain frozen records."""
+"""The Accumulator's settings and what one step reports: plain frozen records.
+
+:class:`AccumConfig` is the one place the settings of an accumulator are listed: the accumulators
+hold one, run cards record one (``to_dict``/``from_dict``), and every field's type is checked when
+it is built, because a hand-edited run card with ``"defer_sync": "no"`` would otherwise mean the
+opposite of what it says (``bool("no")`` is true).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from gradaccum.errors import ConfigError
 
 __all__ = ["AccumConfig", "LossReduction", "StepResult"]
 
 LossReduction = Literal["sum", "mean"]
+_REDUCTIONS = ("sum", "mean")
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"AccumConfig.{name} must be True or False, got {value!r} ({type(value).__name__}); "
+            "a string such as 'false' is not a boolean (in JSON write true/false without quotes)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AccumConfig:
-    """The settings of an :class:`Accumulator` that a run card records and replays."""
+    """The settings of an accumulator: what a run card records and replays."""
 
     max_grad_norm: float | None = None
     """Clip the accumulated gradient to this total L2 norm, once per step; ``None`` disables."""
@@ -29,23 +47,56 @@ class AccumConfig:
     """Skip the update on every rank when the loss or a gradient is NaN or infinite."""
     max_consecutive_skips: int | None = None
     """Raise :class:`TooManySkipsError` after this many skipped updates in a row; ``None``: never."""
+    agree_on_failure: bool = True
+    """Under DDP, all ranks meet in one small all-reduce after the last forward, before the
+    synchronizing backward, so that a failure on one rank (an exception, an out-of-memory error, a
+    backward that would miss parameters) stops every rank at once with :class:`RankFailedError`.
+    The window's loss travels in the same all-reduce. Turning it off saves that meeting's host read
+    (the CPU waits for the last forward before it queues the backward), not a collective: the loss
+    is then reduced after the backward instead. The cost: a rank that fails mid-window leaves the
+    others waiting in the gradient all-reduce until the process-group timeout."""
 
     def __post_init__(self) -> None:
-        if self.max_grad_norm is not None and not (
-            isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0
+        norm = self.max_grad_norm
+        if norm is not None and (
+            isinstance(norm, bool) or not isinstance(norm, (int, float)) or not (0 < norm < math.inf)
         ):
-            raise ValueError(f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}")
-        if self.loss_reduction not in ("sum", "mean"):
-            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {self.loss_reduction!r}")
-        if self.max_consecutive_skips is not None and (
-            isinstance(self.max_consecutive_skips, bool)
-            or not isinstance(self.max_consecutive_skips, int)
-            or self.max_consecutive_skips < 1
-        ):
-            raise ValueError(
-                "max_consecutive_skips must be a positive integer or None, "
-                f"got {self.max_consecutive_skips!r}"
+            raise ConfigError(
+                f"AccumConfig.max_grad_norm must be a positive finite number or None (no clipping), "
+                f"got {norm!r}"
             )
+        if self.loss_reduction not in _REDUCTIONS:
+            raise ConfigError(
+                f"AccumConfig.loss_reduction must be 'sum' or 'mean', got {self.loss_reduction!r}"
+            )
+        for name in ("defer_sync", "track_grad_norm", "skip_nonfinite", "agree_on_failure"):
+            _bool(name, getattr(self, name))
+        limit = self.max_consecutive_skips
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigError(
+                f"AccumConfig.max_consecutive_skips must be a positive integer or None (no limit), "
+                f"got {limit!r}"
+            )
+
+    @property
+    def wants_norm(self) -> bool:
+        """Whether each step computes the pre-clip norm for clipping or the report."""
+        return self.max_grad_norm is not None or self.track_grad_norm
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values, as a run card records them."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> AccumConfig:
+        """Rebuild from :meth:`to_dict`'s output, refusing unknown keys and wrong types."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"accumulator settings must be an object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"accumulator settings: unknown settings {unknown}; known: {sorted(known)}")
+        return cls(**data)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -132,6 +132,7 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: Any,
+    accumulator: Any,
     progress: TrainProgress,
     plan: BatchPlan,
     meta: dict[str, Any],
@@ -169,6 +170,7 @@ def save_checkpoint(
                 "model": model_state,
                 "optimizer": optim_state,
                 "scaler": scaler.state_dict() if scaler is not None else None,
+                "accumulator": accumulator.state_dict(),
                 "progress": asdict(progress),
                 "data_position": progress.position.to_dict(),
                 "plan": {"micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps, "dp": plan.dp},
@@ -236,10 +238,12 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: Any,
+    accumulator: Any,
     plan: BatchPlan,
     precision: str,
 ) -> tuple[TrainProgress, dict[str, Any]]:
-    """Restore model, optimizer, scaler and this rank's RNG; returns the counters and the meta.
+    """Restore model, optimizer, scaler, the accumulator's counters and this rank's RNG; returns the
+    run's counters and the meta.
 
     Collective under FSDP2 (every rank re-shards). Refuses a checkpoint written for another plan or
     precision, showing both, before touching any state.
@@ -278,4 +282,13 @@ def load_checkpoint(
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     _set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=True)["rng"])
-    return TrainProgress(**state["progress"]), {**state["meta"], "path": str(folder)}
+    progress = TrainProgress(**state["progress"])
+    accumulator.load_state_dict(
+        state.get("accumulator")
+        or {  # written before the accumulator had a state_dict: the same counters
+            "steps_applied": progress.steps_applied,
+            "steps_skipped": progress.steps_skipped,
+            "consecutive_skips": progress.consecutive_skips,
+        }
+    )
+    return progress, {**state["meta"], "path": str(folder)}

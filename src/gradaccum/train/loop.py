@@ -155,6 +155,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         device=device,
         float_dtype=torch.float64 if config.precision == "float64" else None,
     )
+    acc = Accumulator.from_config(model, optimizer, config.accum, scaler=scaler)
     progress, resumed_from, checkpoint_schedule = TrainProgress(), None, None
     if config.resume is not None:
         progress, meta = load_checkpoint(
@@ -162,6 +163,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
             model=model,
             optimizer=optimizer,
             scaler=scaler,
+            accumulator=acc,
             plan=config.plan,
             precision=config.precision,
         )
@@ -170,9 +172,6 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
     schedule = resolve_schedule(
         config.schedule, steps=config.steps, tokens=config.tokens, tokens_per_step=tokens_per_step
     )
-    acc = Accumulator.from_config(model, optimizer, config.accum, scaler=scaler)
-    acc.steps_applied, acc.steps_skipped = progress.steps_applied, progress.steps_skipped
-    acc.consecutive_skips = progress.consecutive_skips
     return _Session(
         model=model,
         optimizer=optimizer,
@@ -368,6 +367,7 @@ def train(
                     config.run_dir,
                     model=s.model,
                     optimizer=s.optimizer,
+                    accumulator=s.acc,
                     scaler=s.scaler,
                     progress=p,
                     plan=config.plan,

@@ -1,0 +1,591 @@
+"""The window engine: one window of micro-batches, from counting to the optimizer step, written once.
+
+For a window of micro-batches B_1..B_k on each of W data-parallel ranks, with n_j counted units in
+B_j and N = sum over all ranks and micro-batches of n_j, the full-batch mean loss is
+
+    L = (1/N) sum_j sum_{t in B_j} l_t    so    grad L = sum_j grad( sum_{t in B_j} l_t ) / N.
+
+Each micro-batch therefore backpropagates its *summed* loss times 1/N. DDP and FSDP then *average*
+the W ranks' gradients, which divides by W once more, so each rank scales by W/N instead.
+Everything that belongs to the optimizer step (zero_grad, unscale, clip, step, scheduler, hooks)
+runs once per window; nothing runs per micro-batch except forward and backward.
+
+Both accumulators compose this engine: :class:`~gradaccum.step.accumulator.Accumulator` hands
+it the loss of each micro-batch, :class:`~gradaccum.cache.accumulator.CachedAccumulator` the
+replayed representations times their cached gradients. The phases are
+
+1. :meth:`WindowEngine.open`: materialize the window (a failure here is *returned*, for 2);
+2. :meth:`WindowEngine.count`: count every micro-batch and agree on N across ranks: collective 1,
+   which also carries earlier failures, the window shapes and the configuration fingerprint;
+3. :meth:`WindowEngine.accumulate`: forward and backward per micro-batch, sync deferred to the
+   last; before a synchronizing backward every rank meets once more (collective 2, DDP), and the
+   window's loss travels in that same all-reduce;
+4. :meth:`WindowEngine.conclude`: one host read decides for every rank (finite? counted?), then
+   unscale, clip, step, schedule and hooks, once.
+
+So a DDP update costs two small all-reduces besides the gradients' own, and one process reads the
+device once. A failure on one rank stops every rank at an agreement point instead of leaving the
+others in a collective: :mod:`gradaccum.step.agreement` says where, and what that cannot cover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from gradaccum.distributed import dist
+from gradaccum.distributed.sync import (
+    SyncKind,
+    check_sync_on,
+    needs_every_parameter,
+    sync_deferred,
+    sync_kind,
+)
+from gradaccum.errors import ConfigError, CountError, SyncError, TooManySkipsError, WindowError
+from gradaccum.step.agreement import (
+    FINGERPRINT_SLOTS,
+    LocalFailure,
+    agree_before_backward,
+    back_off_scaler,
+    check_buffer_broadcasts,
+    fingerprint,
+    fingerprints_agree,
+    raise_agreed,
+    raise_alone,
+    raise_from_sync_backward,
+    raise_mismatch,
+    rank_settings,
+)
+from gradaccum.step.checks import as_count, check_window_shapes
+from gradaccum.step.config import AccumConfig, StepResult
+from gradaccum.step.norms import clip_grads_, grad_norm
+
+__all__ = [
+    "ZERO_COUNT",
+    "Accumulated",
+    "Contribute",
+    "Contribution",
+    "CountFn",
+    "Observer",
+    "WindowCount",
+    "WindowEngine",
+]
+
+CountFn = Callable[[Any], "int | torch.Tensor"]
+"""``count_fn(micro_batch)``: how many units ``loss_fn`` sums over (valid tokens, examples)."""
+Observer = Callable[[str, int], None]
+"""Called with (event, micro-batch index) at phase boundaries; used by the benchmarks' timers."""
+
+ZERO_COUNT = "the window holds zero valid units on every rank"
+_STATE_KEYS = ("steps_applied", "steps_skipped", "consecutive_skips")
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCount:
+    """The counts of one window: per micro-batch, this rank's, and all ranks' (the N of W/N)."""
+
+    counts: list[int | torch.Tensor]
+    """``count_fn`` of each micro-batch, as returned (ints or 0-dim integer tensors)."""
+    local_count: torch.Tensor
+    """This rank's units, float64 on the model's device."""
+    global_count: torch.Tensor
+    """Every rank's units, float64 on the model's device: the N of W/N."""
+    global_host: int | None
+    """N on the host: known before the first backward under torch.distributed, else None."""
+    min_count: torch.Tensor | None
+    """The smallest tensor count (a negative one is refused where the step reads the device)."""
+    world: int
+    """The W of W/N: ranks whose gradients the wrapper averages (1 for a plain module)."""
+
+    @property
+    def empty(self) -> bool:
+        """Zero units on every rank, known on the host without reading the device."""
+        if self.global_host is not None:
+            return self.global_host == 0
+        return all(isinstance(c, int) for c in self.counts) and not any(self.counts)
+
+    def scale(self) -> torch.Tensor:
+        """W / N (N at least 1): what each micro-batch's summed loss is multiplied by."""
+        return self.world / self.global_count.clamp(min=1)
+
+
+class Contribution(NamedTuple):
+    """What one micro-batch hands the engine once its forward ran."""
+
+    backprop: torch.Tensor
+    """The scalar to backpropagate, already scaled by W/N (and by the GradScaler)."""
+    loss: torch.Tensor | None = None
+    """This micro-batch's summed loss, for the window's reported mean; ``None`` when the loss is
+    the whole window's objective (gradient caching)."""
+    rejected: torch.Tensor | None = None
+    """0-dim; non-zero when this micro-batch must veto the update on every rank (a replay that did
+    not reproduce its first pass)."""
+
+
+Contribute = Callable[[int, Any], Contribution]
+"""``contribute(index, micro_batch)``: run the forward of one micro-batch, return its contribution."""
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulated:
+    """What the micro-batch loop leaves for :meth:`WindowEngine.conclude`."""
+
+    loss: torch.Tensor
+    """The window's summed loss (0-dim float64): global when the ranks met with it, else local."""
+    rejected: torch.Tensor
+    """Micro-batches that vetoed the update (0-dim float64), global when ``loss_is_global``."""
+    loss_is_global: bool
+    """Whether the sums above already cover every rank."""
+    micro_batches: int
+    """Micro-batches in this rank's window."""
+
+
+class WindowEngine:
+    """The micro-batch loop, sync deferral, agreement points and the once-per-window optimizer step.
+
+    Holds the objects a step touches, the :class:`AccumConfig`, and the counters that
+    :meth:`state_dict` saves. Accumulators build one and drive its phases in order.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: AccumConfig,
+        *,
+        scheduler: Any = None,
+        scaler: Any = None,
+        dp_group: Any = None,
+        on_step: Sequence[Callable[[StepResult], None]] = (),
+        observer: Observer | None = None,
+    ) -> None:
+        if not isinstance(config, AccumConfig):
+            raise ConfigError(f"config must be a gradaccum.AccumConfig, got {type(config).__name__}")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.dp_group = dp_group
+        self.on_step = list(on_step)
+        self.observer = observer
+        self.kind: SyncKind = sync_kind(model)
+        self.steps_applied = 0
+        self.steps_skipped = 0
+        self.consecutive_skips = 0
+        # DDP expects the backward of a synchronizing forward that completed, even in no_sync later;
+        # after an agreed failure the next window's first micro-batch synchronizes on every rank.
+        # This is the wrapper's bookkeeping across windows, not a failure carried between phases.
+        self._resync = False
+        _refuse_static_graph(model, self.kind, config.defer_sync)
+        # DDP fixes the parameters it reduces when it is built; the accumulator is built right after
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._reduced_params = trainable if needs_every_parameter(model) else []
+        self._params = list(model.parameters())
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._params_outside_optimizer = [p for p in self._params if id(p) not in in_optimizer]
+        self.device = self._params[0].device if self._params else torch.device("cpu")
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._distributed = dist.is_distributed(dp_group)
+        if self._distributed and self.kind == "local":
+            raise SyncError(
+                f"the data-parallel group has {dist.world_size(dp_group)} ranks but the model is a plain "
+                f"{type(model).__name__}: its gradients would never be averaged across ranks. Wrap it "
+                "in DistributedDataParallel or fully_shard (FSDP2) before building the Accumulator."
+            )
+        settings: dict[str, Any] = dataclasses.asdict(config)
+        settings["sync"] = self.kind
+        settings["scaler"] = type(scaler).__name__ if scaler is not None else None
+        self._settings = rank_settings(settings, model) if self._distributed else settings
+        self._fingerprint = fingerprint(self._settings) if self._distributed else []
+
+    # -- counters -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters a resumed run needs: applied and skipped updates, consecutive skips."""
+        return {key: int(getattr(self, key)) for key in _STATE_KEYS}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s counters, refusing missing, unknown or negative values."""
+        if not isinstance(state, dict) or set(state) != set(_STATE_KEYS):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"an accumulator state_dict holds exactly {list(_STATE_KEYS)}, got {got}")
+        for key in _STATE_KEYS:
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"accumulator state {key} must be a non-negative integer, got {value!r}")
+        if state["consecutive_skips"] > state["steps_skipped"]:
+            raise ConfigError(
+                f"accumulator state has consecutive_skips={state['consecutive_skips']} > "
+                f"steps_skipped={state['steps_skipped']}: not a state a run can reach"
+            )
+        for key in _STATE_KEYS:
+            setattr(self, key, state[key])
+
+    # -- phases ---------------------------------------------------------------------------------
+
+    def open(self, window: Iterable[Any]) -> tuple[list[Any], LocalFailure | None]:
+        """Materialize the window. Under torch.distributed a failure is returned, not raised, so
+        that :meth:`count` carries it to the other ranks instead of leaving them waiting there."""
+        self._distributed = dist.is_distributed(self.dp_group)
+        failure: LocalFailure | None = None
+        try:
+            micro_batches = window if type(window) is list else list(window)
+            if self.kind == "ddp":
+                check_sync_on(self.model)
+        except Exception as exc:
+            if not self._distributed:
+                raise
+            failure = LocalFailure(exc, "reading the window", None)
+            micro_batches = []
+        self.emit("window_start", len(micro_batches))
+        return micro_batches, failure
+
+    def count(self, micro_batches: list[Any], count_fn: CountFn, failure: LocalFailure | None) -> WindowCount:
+        """Count the whole window before the first backward, and agree on N across ranks.
+
+        Counts travel as float64 (exact below 2**53) so that the scale W/N is full precision. On
+        one process nothing leaves the device here; under torch.distributed the counts all-reduce
+        is read once, so that every rank takes the same branch (and raises a failure together).
+        """
+        counts: list[int | torch.Tensor] = []
+        if failure is None:
+            try:
+                for i, mb in enumerate(micro_batches):
+                    counts.append(as_count(count_fn(mb), i))
+            except Exception as exc:
+                if not self._distributed:
+                    raise
+                failure = LocalFailure(exc, "count_fn", len(counts))
+                counts = []
+        host_counts = 0
+        device_counts: list[torch.Tensor] = []
+        for c in counts:
+            if isinstance(c, int):
+                host_counts += c
+            else:
+                device_counts.append(c)
+        min_count: torch.Tensor | None = None
+        if device_counts:
+            stacked = torch.stack(device_counts).to(
+                device=self.device, dtype=torch.float64, non_blocking=True
+            )
+            local_count = stacked.sum() + host_counts if host_counts else stacked.sum()
+            min_count = stacked.min()
+        else:
+            local_count = torch.tensor(float(host_counts), dtype=torch.float64, device=self.device)
+        world = dist.world_size(self.dp_group) if self.kind != "local" else 1
+        if not self._distributed:
+            if not micro_batches:
+                raise WindowError("the window is empty: step needs at least one micro-batch")
+            return WindowCount(counts, local_count, local_count, None, min_count, world)
+        return self._agree_on_counts(micro_batches, counts, local_count, min_count, world, failure)
+
+    def _agree_on_counts(
+        self,
+        micro_batches: list[Any],
+        counts: list[int | torch.Tensor],
+        local_count: torch.Tensor,
+        min_count: torch.Tensor | None,
+        world: int,
+        failure: LocalFailure | None,
+    ) -> WindowCount:
+        # [N, empty windows, negative counts, k, k^2, failed, out of memory, broadcasting, fingerprint]
+        # summed over ranks and read once. All ranks hold the same k iff W*sum(k^2) == sum(k)^2.
+        k = len(micro_batches)
+        failed, oom = (1, int(failure.oom)) if failure is not None else (0, 0)
+        broadcasts = int(self.kind == "ddp" and self.model.will_sync_module_buffers())  # type: ignore[operator]
+        flags = torch.tensor(
+            [int(k == 0), 0.0, k, k * k, failed, oom, broadcasts, *self._fingerprint],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        if min_count is not None:
+            flags[1] = (min_count < 0).to(torch.float64)
+        meta = dist.all_reduce_sum_(
+            torch.cat([local_count.reshape(1), flags]), self.dp_group, what="the window's counts"
+        )
+        values = meta.tolist()
+        global_host, empty_ranks, negative_ranks, k_sum, k_sq, failed_ranks, oom_ranks, broadcasting = (
+            int(v) for v in values[:8]
+        )
+        if not fingerprints_agree(values[8 : 8 + FINGERPRINT_SLOTS], world):
+            self.zero_grad()
+            raise_mismatch(self._settings, self.model, self.dp_group)
+        if failed_ranks:
+            self.zero_grad()
+            raise_agreed(failure, failed_ranks, oom_ranks, self.dp_group)
+        check_buffer_broadcasts(broadcasting, world)
+        check_window_shapes(
+            world, k, empty_ranks, k_sum, k_sq, defer_sync=self.config.defer_sync, kind=self.kind
+        )
+        if negative_ranks:
+            raise CountError(f"count_fn returned a negative count on {negative_ranks} rank(s)")
+        return WindowCount(counts, local_count, meta[0], global_host, min_count, world)
+
+    def accumulate(
+        self,
+        micro_batches: list[Any],
+        contribute: Contribute,
+        *,
+        phases: tuple[str, str] = ("forward", "backward"),
+    ) -> Accumulated:
+        """Forward and backward of every micro-batch, gradient sync deferred to the last one.
+
+        ``no_sync`` wraps the forward *and* the backward of every micro-batch but the last (DDP
+        decides in forward whether the backward synchronizes). Before each synchronizing backward
+        the ranks meet (DDP): a rank that raised in an earlier micro-batch skips the rest of its
+        window and comes straight to that meeting, where every rank learns of it. ``phases`` name
+        the forward and the backward in a failing rank's report.
+        """
+        model, kind, config = self.model, self.kind, self.config
+        meets = self._meets()
+        defer = config.defer_sync
+        losses: list[torch.Tensor] = []
+        rejections: list[torch.Tensor] = []
+        reduced: list[float] | None = None
+        last = len(micro_batches) - 1
+        resync = self._resync
+        for i, mb in enumerate(micro_batches):
+            self.emit("micro_start", i)
+            syncs = i == last or not defer or (i == 0 and resync)
+            piece: Contribution | None = None
+            failure: LocalFailure | None = None
+            with sync_deferred(model, kind, enabled=not syncs):
+                phase = phases[0]
+                try:
+                    piece = contribute(i, mb)
+                    if piece.loss is not None:
+                        losses.append(piece.loss)
+                    if piece.rejected is not None:
+                        rejections.append(piece.rejected)
+                    if not syncs:
+                        phase = phases[1]
+                        piece.backprop.backward()
+                except Exception as exc:
+                    failure = LocalFailure(exc, phase, i)
+                if meets and (syncs or failure is not None):
+                    # every rank meets before a synchronizing backward; a failed rank skips ahead to it
+                    reduced = self._agree(failure, i, piece, self._tally(losses, rejections))
+                elif failure is not None:
+                    self._fail_alone(failure)
+                if syncs and piece is not None:
+                    self._sync_backward(piece.backprop, i)
+            self.emit("micro_end", i)
+        if reduced is not None:
+            loss = torch.tensor(reduced[0], dtype=torch.float64, device=self.device)
+            rejected = torch.tensor(reduced[1], dtype=torch.float64, device=self.device)
+            return Accumulated(loss, rejected, True, len(micro_batches))
+        loss = torch.stack(losses).to(torch.float64).sum() if losses else self._zero
+        rejected = torch.stack(rejections).to(torch.float64).sum() if rejections else self._zero
+        return Accumulated(loss, rejected, False, len(micro_batches))
+
+    def conclude(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        *,
+        objective: torch.Tensor | None = None,
+        rejection: Callable[[int], Exception] | None = None,
+    ) -> StepResult:
+        """One decision for all ranks (counted? finite? vetoed?), then unscale, clip and step once.
+
+        ``objective``: the window's loss computed identically on every rank (gradient caching);
+        by default the mean of the accumulated summed losses over N. ``rejection(ranks)`` builds
+        the error raised, on every rank, when micro-batches vetoed the update.
+        """
+        self.emit("optimizer_start", 0)
+        config = self.config
+        params = [p for p in self._params if p.grad is not None]
+        norm = self._grad_norm(params) if (config.skip_nonfinite or config.wants_norm) else None
+        zero = self._zero
+        summary = torch.stack(
+            [
+                accumulated.loss if objective is None else objective.detach().to(torch.float64),
+                accumulated.rejected,
+                zero if norm is None else norm.detach().to(torch.float64),
+                counted.global_count,
+                counted.local_count,
+                zero if counted.min_count is None else counted.min_count,
+            ]
+        )
+        if self._distributed and not accumulated.loss_is_global:
+            # the count is already global, and so is the norm (gradients are synchronized, and
+            # sharded norms are reduced by _grad_norm); the loss and the vetoes are still local
+            # (a given objective is global already: only the vetoes then)
+            lo = 0 if objective is None else 1
+            summary[lo:2] = dist.all_reduce_sum_(
+                summary[lo:2].clone(), self.dp_group, what="the window's loss"
+            )
+        # the step's one host read on a single process; a NaN or inf on any rank makes the
+        # reduced loss or the global norm non-finite, so every rank reaches the same verdict
+        loss_value, rejected, norm_host, n_total, n_local, smallest = summary.tolist()
+        n_global, local_n, k = int(n_total), int(n_local), accumulated.micro_batches
+        if smallest < 0:
+            self.zero_grad()
+            raise CountError("count_fn returned a negative count; no update was applied")
+        if rejected and rejection is not None:
+            self.zero_grad()
+            raise rejection(int(rejected))
+        mean_loss = loss_value if objective is not None else (loss_value / n_global if n_global else None)
+        if n_global == 0:
+            return self.skip(local_n, 0, k, None, ZERO_COUNT)
+        if config.skip_nonfinite and not (math.isfinite(loss_value) and math.isfinite(norm_host)):
+            back_off_scaler(self.scaler, self.optimizer, params)
+            reason = f"non-finite loss or gradient (loss {loss_value}, gradient norm {norm_host})"
+            return self.skip(local_n, n_global, k, mean_loss, reason)
+
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            if config.wants_norm:
+                norm = self._grad_norm(params)
+                norm_host = float(norm.item()) if norm is not None else math.nan
+        if config.max_grad_norm is not None and norm is not None:
+            clip_grads_(params, config.max_grad_norm, norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps_applied += 1
+        self.consecutive_skips = 0
+        result = StepResult(
+            loss=mean_loss,
+            local_count=local_n,
+            global_count=n_global,
+            micro_batches=k,
+            grad_norm=norm_host if (norm is not None and config.wants_norm) else None,
+            applied=True,
+            step=self.steps_applied,
+        )
+        for hook in self.on_step:
+            hook(result)
+        self.emit("optimizer_end", 0)
+        return result
+
+    def skip(self, local_n: int, global_n: int, k: int, loss: float | None, reason: str) -> StepResult:
+        """No update: gradients cleared, the skip counted, the same on every rank."""
+        self.zero_grad()
+        self.steps_skipped += 1
+        self.consecutive_skips += 1
+        limit = self.config.max_consecutive_skips
+        if limit is not None and self.consecutive_skips > limit:
+            raise TooManySkipsError(
+                f"{self.consecutive_skips} consecutive updates were skipped (limit "
+                f"max_consecutive_skips={limit}); last reason: {reason}. Check the data for windows "
+                "without valid units, the loss for overflow, or lower the learning rate."
+            )
+        self.emit("optimizer_end", 0)
+        return StepResult(
+            loss=loss,
+            local_count=local_n,
+            global_count=global_n,
+            micro_batches=k,
+            grad_norm=None,
+            applied=False,
+            skip_reason=reason,
+            step=self.steps_applied,
+        )
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._params_outside_optimizer:  # e.g. frozen or separately optimized parameters
+            for p in self._params_outside_optimizer:
+                p.grad = None
+
+    def emit(self, event: str, index: int) -> None:
+        if self.observer is not None:
+            self.observer(event, index)
+
+    def agree_outside(self, failure: LocalFailure | None) -> None:
+        """An agreement point outside the micro-batch loop (gradient caching's phases): a failure
+        raises on every rank (one flags all-reduce under DDP), or at once where no rank waits."""
+        if self._meets():
+            self._agree(failure, 0, None, self._tally([], []))
+        elif failure is not None:
+            self._fail_alone(failure)
+
+    def _meets(self) -> bool:
+        """Whether the ranks meet before synchronizing backwards (DDP with agreement on)."""
+        return self._distributed and self.kind == "ddp" and self.config.agree_on_failure
+
+    def _fail_alone(self, failure: LocalFailure) -> None:
+        """A failure no other rank learns of here: one process, FSDP, or agreement turned off."""
+        self.zero_grad()
+        self._resync = self.kind == "ddp"
+        raise_alone(failure, recoverable=not self._distributed)
+
+    def _tally(self, losses: list[torch.Tensor], rejections: list[torch.Tensor]) -> torch.Tensor:
+        loss = torch.stack(losses).to(torch.float64).sum() if losses else self._zero
+        rejected = torch.stack(rejections).to(torch.float64).sum() if rejections else self._zero
+        return torch.stack([loss, rejected])
+
+    def _grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The global gradient norm: what every rank's clipping and skip decision must see."""
+        if self.kind == "fsdp":
+            # FSDP1 shards flat gradients; its own method reduces the norm across ranks. With an
+            # infinite max_norm it multiplies by exactly 1 (the clip coefficient is clamped to 1).
+            return self.model.clip_grad_norm_(float("inf"))  # type: ignore[operator]
+        return grad_norm(params)
+
+    def _agree(
+        self, failure: LocalFailure | None, index: int, piece: Contribution | None, tally: torch.Tensor
+    ) -> list[float] | None:
+        """Before a synchronizing backward: all ranks go on, or all clear their gradients and raise."""
+        try:
+            return agree_before_backward(
+                failure,
+                None if piece is None else piece.backprop,
+                index,
+                self.kind,
+                check_parameters=self._reduced_params,
+                group=self.dp_group,
+                tally=tally,
+                resynchronizing=index == 0 and self._resync,
+            )
+        except BaseException:
+            self.zero_grad()
+            # DDP expects the backward of a synchronizing forward that completed, even in no_sync
+            # later; a synchronizing first micro-batch on every rank resets that bookkeeping
+            self._resync = self.kind == "ddp"
+            raise
+
+    def _sync_backward(self, contribution: torch.Tensor, index: int) -> None:
+        try:
+            contribution.backward()
+        except Exception as exc:
+            self.zero_grad()
+            raise_from_sync_backward(exc, index, self.dp_group)
+        self._resync = False
+
+
+def _refuse_static_graph(model: nn.Module, kind: SyncKind, defer_sync: bool) -> None:
+    """DDP built with ``static_graph=True`` cannot defer sync: refuse it before the first window.
+
+    Its reducer records the first iteration's hooks and expects every later backward to fire
+    them all; a backward inside ``no_sync`` then trips an internal assert in PyTorch's reducer
+    (``expect_autograd_hooks_``) on torch 2.4-2.13, for a hand-written ``no_sync`` loop too.
+    """
+    if defer_sync and kind == "ddp" and bool(getattr(model, "static_graph", False)):
+        raise SyncError(
+            "DistributedDataParallel was built with static_graph=True, and PyTorch's reducer cannot "
+            "defer gradient sync in that mode: a backward inside no_sync() fails with an internal "
+            "assert (expect_autograd_hooks_). Either build DDP without static_graph (the usual "
+            "default; find_unused_parameters=True covers parameters that only some micro-batches "
+            "use), or build the accumulator with defer_sync=False, which all-reduces the gradients "
+            "on every micro-batch (k all-reduces per update instead of one)."
+        )
