@@ -12,8 +12,9 @@ from typing import Any, TypeAlias
 import torch
 
 from gradaccum.errors import PlanError
+from gradaccum.values import is_int, require_int
 
-__all__ = ["Batch", "batch_size", "concat", "split", "split_sizes", "take", "to_device"]
+__all__ = ["Batch", "batch_size", "cast", "concat", "split", "split_sizes", "take", "to_device"]
 
 Batch: TypeAlias = Any
 """A tensor, or a tuple/list/mapping (possibly nested) of tensors that share dim 0."""
@@ -75,6 +76,17 @@ def to_device(batch: Batch, device: torch.device | str) -> Batch:
     return _map(batch, lambda t: t.to(device))
 
 
+def cast(batch: Batch, dtype: torch.dtype, device: torch.device | str | None = None) -> Batch:
+    """``batch`` with its floating tensors in ``dtype`` (integer ids and labels keep theirs), every
+    tensor moved to ``device`` when one is given."""
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        target = dtype if t.is_floating_point() else t.dtype
+        return t.to(target) if device is None else t.to(device=device, dtype=target)
+
+    return _map(batch, convert)
+
+
 def split_sizes(total: int, micro_batch: int | None = None, sizes: Sequence[int] | None = None) -> list[int]:
     """Micro-batch sizes that cover ``total`` examples exactly.
 
@@ -84,15 +96,14 @@ def split_sizes(total: int, micro_batch: int | None = None, sizes: Sequence[int]
         raise PlanError("give exactly one of micro_batch or sizes")
     if sizes is not None:
         parts = list(sizes)
-        bad = [s for s in parts if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+        bad = [s for s in parts if not is_int(s) or s < 1]
         if bad or not parts:
             raise PlanError(f"partition sizes must be positive integers, got {parts}")
         if sum(parts) != total:
             raise PlanError(f"partition sizes {parts} sum to {sum(parts)}, but the batch holds {total}")
         return parts
     assert micro_batch is not None
-    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
-        raise PlanError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    require_int("micro_batch", micro_batch)
     if total % micro_batch:
         raise PlanError(
             f"micro_batch={micro_batch} does not divide the batch of {total} examples; "

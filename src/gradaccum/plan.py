@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from gradaccum.errors import PlanError
+from gradaccum.values import require_int
 
 __all__ = [
     "BatchPlan",
@@ -32,11 +33,7 @@ FinalWindow = Literal["keep", "drop"]
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise PlanError(f"{name} must be a positive integer, got {value}")
-    return value
+    return require_int(name, value, error=PlanError)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,8 +110,7 @@ class BatchPlan:
         With ``final_window="keep"`` (the default, like ``drop_last=False``) a final partial window
         is one more update, normalized by its own count; with ``"drop"`` it is discarded.
         """
-        if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 0:
-            raise PlanError(f"dataset_size must be a non-negative integer, got {dataset_size!r}")
+        require_int("dataset_size", dataset_size, low=0)
         if final_window == "keep":
             return math.ceil(dataset_size / self.global_batch)
         if final_window == "drop":
@@ -129,7 +125,10 @@ class BatchPlan:
         )
 
     def label(self) -> str:
-        """Compact ``MICROxDPxACCUM`` form, as in the seeds' table."""
+        """``MICROxACCUM`` on one replica, ``MICROxDPxACCUM`` under data parallelism: the form the
+        commands take plans in, and the one label every report and run card uses."""
+        if self.dp == 1:
+            return f"{self.micro_batch}x{self.accum_steps}"
         return f"{self.micro_batch}x{self.dp}x{self.accum_steps}"
 
 

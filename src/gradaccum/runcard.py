@@ -12,29 +12,28 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradaccum.atomic import atomic_write_text
 from gradaccum.errors import ConfigError, GradAccumError, RunCardError
 from gradaccum.plan import BatchPlan
+from gradaccum.precision import PRECISIONS
 from gradaccum.step.config import AccumConfig
+from gradaccum.values import require_int
 
 __all__ = [
     "FORMAT_VERSION",
-    "PRECISIONS",
     "RunCard",
-    "atomic_write_text",
     "environment",
     "read_runcard",
     "write_runcard",
 ]
 
 FORMAT_VERSION = 1
-PRECISIONS = ("float64", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,8 +149,7 @@ class RunCard:
             if data.get(key) is not None and not isinstance(data[key], str):
                 raise RunCardError(f"run card '{key}' must be a string or null, got {data[key]!r}")
         tokens = data.get("tokens_per_step")
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
-            raise RunCardError(f"run card tokens_per_step must be a non-negative integer, got {tokens!r}")
+        require_int("run card tokens_per_step", tokens, low=0, error=RunCardError, none_ok=True)
         return cls(
             workload=data["workload"],
             plan=plan,
@@ -166,23 +164,6 @@ class RunCard:
             verdict=data.get("verdict"),
             extra=dict(extra),
         )
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and a rename: readers never see half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a report is meant to be read
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_runcard(card: RunCard, path: str | os.PathLike[str]) -> None:

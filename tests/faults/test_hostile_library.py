@@ -137,7 +137,7 @@ EDITS = [
     ({"accum": {"max_consecutive_skips": 2.5}}, "max_consecutive_skips must be a positive integer"),
     ({"seed": "0"}, "'seed' an integer"),
     ({"workload": 5}, "'workload' must be a string"),
-    ({"tokens_per_step": -5}, "tokens_per_step must be a non-negative integer, got -5"),
+    ({"tokens_per_step": -5}, "tokens_per_step must be a non-negative integer or None, got -5"),
 ]
 
 

@@ -11,7 +11,7 @@ from gradaccum.bench.measure import measure, measure_safely
 from gradaccum.bench.models import CommModel, MemoryModel, comm_model, fit_memory_model
 from gradaccum.bench.runfolder import new_run_folder, write_accept_folder, write_sweep_folder
 from gradaccum.bench.runner import Launch, run_isolated, run_joined
-from gradaccum.bench.spec import BenchError, Measurement, MeasureSettings, MeasureSpec, RunRecord
+from gradaccum.bench.spec import Measurement, MeasureSettings, MeasureSpec, RunRecord
 from gradaccum.bench.stats import ConfigSummary, Spread, summarize
 from gradaccum.bench.sweep import ProgressEvent, SweepResult, SweepSpec, run_sweep
 from gradaccum.bench.verdict import ArmFigures, Criterion, ParamCheck, TraceCheck, Verdict, decide

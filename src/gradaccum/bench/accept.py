@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from gradaccum.bench.measure import DTYPES
 from gradaccum.bench.models import CommModel, comm_model
 from gradaccum.bench.runner import Launch
-from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord, plan_label
+from gradaccum.bench.spec import MeasureSettings, MeasureSpec, RunRecord
 from gradaccum.bench.stats import ConfigSummary, summarize
 from gradaccum.bench.sweep import ProgressEvent, run_specs
 from gradaccum.bench.verdict import (
@@ -34,8 +33,9 @@ from gradaccum.bench.verdict import (
     decide,
 )
 from gradaccum.check.workload import Workload
-from gradaccum.errors import PlanError
+from gradaccum.errors import BenchError, PlanError
 from gradaccum.plan import BatchPlan
+from gradaccum.precision import dtype_of
 from gradaccum.runcard import RunCard
 from gradaccum.step.config import AccumConfig
 
@@ -83,11 +83,11 @@ class AcceptSpec:
                 fixed = BatchPlan.solve(global_batch=b.global_batch, micro_batch=c.micro_batch, dp=c.dp)
                 hint = (
                     f" To keep micro-batch {c.micro_batch} on dp={c.dp}, use accumulation "
-                    f"{fixed.accum_steps} ({plan_label(fixed)})."
+                    f"{fixed.accum_steps} ({fixed.label()})."
                 )
             raise PlanError(
-                f"baseline {plan_label(b)} has global batch {b.global_batch} ({b.equation()}) but candidate "
-                f"{plan_label(c)} has global batch {c.global_batch} ({c.equation()}). accept compares "
+                f"baseline {b.label()} has global batch {b.global_batch} ({b.equation()}) but candidate "
+                f"{c.label()} has global batch {c.global_batch} ({c.equation()}). accept compares "
                 "accumulation mechanics at a fixed global batch; a different global batch changes the "
                 "optimization (updates, noise, tuned learning rate) and is not an accumulation change." + hint
             )
@@ -113,8 +113,8 @@ class AcceptSpec:
         """Flat, as results.json has always had it: the settings sit beside the comparison's fields."""
         data: dict[str, Any] = {
             "workload": self.workload,
-            "baseline": plan_label(self.baseline),
-            "candidate": plan_label(self.candidate),
+            "baseline": self.baseline.label(),
+            "candidate": self.candidate.label(),
             "margin": self.margin,
         }
         for name, value in self.settings.to_dict().items():
@@ -190,7 +190,7 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
         details[f"equivalence_{name}"] = _plain(report)
         params.append(
             ParamCheck(
-                label=f"{name} {plan_label(plan)}",
+                label=f"{name} {plan.label()}",
                 grad_max_rel_err=float(report.grad_max_rel_err),
                 grad_tol=float(report.grad_tol),
                 param_max_abs_diff=float(report.param_max_abs_diff),
@@ -204,7 +204,7 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
         baseline_sizes=partition(spec.baseline),
         candidate_sizes=partition(spec.candidate),
         steps=spec.trace_steps,
-        dtype=DTYPES[spec.settings.precision],
+        dtype=dtype_of(spec.settings.precision),
         seed=spec.settings.seed,
         device=spec.settings.device,
     )
@@ -312,8 +312,8 @@ def make_runcard(
         verdict=verdict.decision,
         extra={
             "chosen": "candidate" if verdict.adopt else "baseline",
-            "baseline": plan_label(spec.baseline),
-            "candidate": plan_label(spec.candidate),
+            "baseline": spec.baseline.label(),
+            "candidate": spec.candidate.label(),
             "margin": spec.margin,
             "throughput_gain": verdict.throughput_gain,
             "trace_steps": spec.trace_steps,

@@ -17,28 +17,20 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-from gradaccum.batch import Batch, split, take
-from gradaccum.bench.spec import BenchError, Measurement, MeasureSpec, RunRecord
-from gradaccum.check.report import cast_batch
+from gradaccum import precision
+from gradaccum.batch import Batch, cast, split, take
+from gradaccum.bench.spec import Measurement, MeasureSpec, RunRecord
 from gradaccum.check.workload import Workload
 from gradaccum.distributed import dist
 from gradaccum.distributed.comm import CommCounter, count_allreduces
+from gradaccum.errors import BenchError
 from gradaccum.step.accumulator import Accumulator
 
 __all__ = ["measure", "measure_safely", "peak_rss_bytes"]
-
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 def peak_rss_bytes() -> int:
@@ -87,19 +79,6 @@ class _Clock:
         return count, micro, opt
 
 
-def _loss_under_autocast(
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor], device: torch.device, dtype: torch.dtype | None
-) -> Callable[[nn.Module, Any], torch.Tensor]:
-    if dtype is None:
-        return loss_fn
-
-    def loss(model: nn.Module, micro_batch: Any) -> torch.Tensor:
-        with torch.autocast(device_type=device.type, dtype=dtype):
-            return loss_fn(model, micro_batch)
-
-    return loss
-
-
 def _median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
@@ -118,8 +97,7 @@ def measure(workload: Workload, spec: MeasureSpec, *, fresh_process: bool = Fals
             f"{world} rank(s); launch {spec.dp} ranks (torchrun --nproc-per-node {spec.dp}) or set dp={world}"
         )
     device = torch.device(spec.device)
-    param_dtype = torch.float64 if spec.precision == "float64" else torch.float32
-    autocast_dtype = DTYPES[spec.precision] if spec.precision in ("bfloat16", "float16") else None
+    param_dtype = precision.param_dtype(spec.precision)
     plan = spec.plan
     local = plan.local_batch
 
@@ -139,16 +117,16 @@ def measure(workload: Workload, spec: MeasureSpec, *, fresh_process: bool = Fals
         counter = count_allreduces(ddp)
         model = ddp
     optimizer = workload.optimizer_factory(model.parameters())
-    scaler = torch.amp.GradScaler(device.type) if spec.precision == "float16" else None
+    scaler = precision.make_scaler(spec.precision, device)
     clock = _Clock(device)
     acc = Accumulator(model, optimizer, scaler=scaler, defer_sync=spec.defer_sync, observer=clock)
-    loss_fn = _loss_under_autocast(workload.loss_fn, device, autocast_dtype)
+    loss_fn = precision.autocast_loss(workload.loss_fn, spec.precision, device)
 
     def window(update: int) -> list[Batch]:
         # the same global examples for every configuration of this global batch; this rank's slice
         batch = workload.make_batch(plan.global_batch, spec.seed + 1 + update)
         mine = take(batch, rank * local, (rank + 1) * local)
-        return split(cast_batch(mine, param_dtype, device), micro_batch=spec.micro_batch)
+        return split(cast(mine, param_dtype, device), micro_batch=spec.micro_batch)
 
     for u in range(spec.warmup):
         acc.step(window(u), loss_fn, workload.count_fn)

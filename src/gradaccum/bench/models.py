@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gradaccum.bench.spec import BenchError
+from gradaccum.errors import BenchError
 
 __all__ = ["CommModel", "MemoryModel", "comm_model", "fit_memory_model"]
 

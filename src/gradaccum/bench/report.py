@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from gradaccum.bench.accept import AcceptResult
 from gradaccum.bench.models import CommModel
-from gradaccum.bench.spec import plan_label
 from gradaccum.bench.stats import ConfigSummary
 from gradaccum.bench.sweep import SweepResult
 
@@ -169,7 +168,7 @@ def _memory_lines(result: SweepResult) -> list[str]:
         said = "no limit from the model" if largest is None else f"micro-batch <= {largest}"
         lines.append(
             f"Budget {fmt_bytes(budget)}: {said}; largest factorization of the global batch that fits: "
-            + ("none" if plan is None else plan_label(plan))
+            + ("none" if plan is None else plan.label())
             + "."
         )
     return lines
@@ -234,7 +233,7 @@ def accept_markdown(result: AcceptResult) -> str:
     lines = [
         f"# gradaccum accept: {v.decision}",
         "",
-        f"Baseline {plan_label(spec.baseline)} vs candidate {plan_label(spec.candidate)} (micro-batch x "
+        f"Baseline {spec.baseline.label()} vs candidate {spec.candidate.label()} (micro-batch x "
         f"accumulation) on `{spec.workload}`; global batch {spec.baseline.global_batch}; dp "
         f"{spec.baseline.dp}; precision {settings.precision}; device {settings.device}; "
         f"margin {spec.margin:.1%}.",
@@ -243,7 +242,7 @@ def accept_markdown(result: AcceptResult) -> str:
         "",
         _markdown_table(verdict_rows(result)),
         "",
-        f"**{v.decision}**: the run card records {plan_label(chosen)} ({chosen.equation()}).",
+        f"**{v.decision}**: the run card records {chosen.label()} ({chosen.equation()}).",
     ]
     if not result.equivalence_passed:
         lines += [

@@ -9,11 +9,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from gradaccum.atomic import atomic_write_text
 from gradaccum.bench.accept import AcceptResult
 from gradaccum.bench.plots import plot_accept, plot_sweep
 from gradaccum.bench.report import accept_markdown, sweep_markdown
 from gradaccum.bench.sweep import SweepResult
-from gradaccum.runcard import atomic_write_text, write_runcard
+from gradaccum.runcard import write_runcard
 
 __all__ = ["new_run_folder", "write_accept_folder", "write_sweep_folder"]
 

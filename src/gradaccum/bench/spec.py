@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan
-from gradaccum.runcard import PRECISIONS
+from gradaccum.precision import PRECISIONS
+from gradaccum.values import require_int
 
 __all__ = [
     "BenchError",
@@ -23,7 +24,6 @@ __all__ = [
     "Measurement",
     "RunRecord",
     "RunStatus",
-    "plan_label",
 ]
 
 RESULT_PREFIX = "GRADACCUM_RESULT "
@@ -35,17 +35,7 @@ RunStatus = Literal["ok", "oom", "failed", "timeout"]
 
 
 def _positive(name: str, value: object, *, zero_ok: bool = False) -> None:
-    low = 0 if zero_ok else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = "non-negative" if zero_ok else "positive"
-        raise BenchError(f"{name} must be a {kind} integer, got {value!r}")
-
-
-def plan_label(plan: BatchPlan) -> str:
-    """``MICROxACCUM`` (``MICROxDPxACCUM`` under data parallelism), as the commands take plans."""
-    if plan.dp == 1:
-        return f"{plan.micro_batch}x{plan.accum_steps}"
-    return f"{plan.micro_batch}x{plan.dp}x{plan.accum_steps}"
+    require_int(name, value, low=0 if zero_ok else 1, error=BenchError)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,7 +84,7 @@ class MeasureSpec:
     @property
     def label(self) -> str:
         """``MICROxACCUM`` (``MICROxDPxACCUM`` under data parallelism), as the CLI writes plans."""
-        return plan_label(self.plan)
+        return self.plan.label()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

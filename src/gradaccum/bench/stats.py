@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gradaccum.bench.spec import BenchError, Measurement, MeasureSpec, RunRecord, RunStatus
+from gradaccum.bench.spec import Measurement, MeasureSpec, RunRecord, RunStatus
+from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan
 
 __all__ = ["ConfigSummary", "Spread", "summarize"]

@@ -14,8 +14,9 @@ from typing import Any
 
 from gradaccum.bench.models import CommModel, MemoryModel, comm_model, fit_memory_model
 from gradaccum.bench.runner import Launch
-from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord, plan_label
+from gradaccum.bench.spec import MeasureSettings, MeasureSpec, RunRecord
 from gradaccum.bench.stats import ConfigSummary, summarize
+from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan, factorizations
 
 __all__ = ["ProgressEvent", "SweepResult", "SweepSpec", "interleave", "run_specs", "run_sweep"]
@@ -40,7 +41,7 @@ class SweepSpec:
 
     def __post_init__(self) -> None:
         if self.plans is not None and len(set(self.plans)) != len(self.plans):
-            labels = [plan_label(p) for p in self.plans]
+            labels = [p.label() for p in self.plans]
             raise BenchError(f"the sweep lists a configuration twice: {labels}; list each once")
         for plan in self.plans or ():
             if plan.global_batch != self.global_batch or plan.dp != self.dp:

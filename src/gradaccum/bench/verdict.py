@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gradaccum.bench.spec import BenchError
+from gradaccum.errors import BenchError
+from gradaccum.values import require_int
 
 __all__ = ["ADOPT", "KEEP", "ArmFigures", "Criterion", "ParamCheck", "TraceCheck", "Verdict", "decide"]
 
@@ -224,8 +225,7 @@ def decide(
     """Apply the adoption rule to measured figures; no I/O, no measurement, no randomness."""
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
         raise BenchError(f"margin must be a non-negative fraction (0.03 = 3%), got {margin!r}")
-    if isinstance(min_runs, bool) or not isinstance(min_runs, int) or min_runs < 1:
-        raise BenchError(f"min_runs must be a positive integer, got {min_runs!r}")
+    require_int("min_runs", min_runs, error=BenchError)
     throughput, gain = _throughput(baseline, candidate, margin, min_runs, unit)
     criteria = (
         _tokens(baseline, candidate),

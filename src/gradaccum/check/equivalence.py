@@ -21,21 +21,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from gradaccum.batch import Batch, batch_size, split, split_sizes
-from gradaccum.check.report import (
-    GRAD_TOLERANCES,
-    PARAM_TOLERANCES,
-    EquivalenceReport,
-    ParamRow,
-    Tolerance,
-    cast_batch,
-    disable_stochastic,
-    dtype_name,
-)
+from gradaccum.batch import Batch, batch_size, cast, split, split_sizes
+from gradaccum.check.controls import disable_stochastic
+from gradaccum.check.report import EquivalenceReport, ParamRow
+from gradaccum.check.tolerances import GRAD_TOLERANCES, PARAM_TOLERANCES, Tolerance
 from gradaccum.check.traces import TraceReport, compare_traces
 from gradaccum.check.workload import OptimizerFactory, Workload, sgd
 from gradaccum.errors import CountError, LossError, PlanError, WorkloadError
 from gradaccum.hazards.scanner import Finding, scan
+from gradaccum.precision import dtype_name
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
 
 __all__ = [
@@ -310,7 +304,7 @@ def verify(
     grad_tol, param_tol = _tolerances(dtype)
     factory = optimizer_factory or sgd
     where = torch.device(device)
-    data = cast_batch(batch, dtype, where)
+    data = cast(batch, dtype, where)
     micro = split(data, sizes=parts)
     uniform = parts[0] if len(set(parts)) == 1 else None
     hazards = tuple(declared_hazards)

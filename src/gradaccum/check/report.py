@@ -1,87 +1,16 @@
-"""What both stages of the equivalence check share: declared tolerances, controlled conditions, reports.
-
-Tolerances are declared per dtype with their reason before anything runs, and every report shows
-them. Both stages cast the model and the floating inputs to one dtype and switch random layers off
-(dropout only; normalization keeps its training mode) so that the partitionings differ in nothing but
-how the batch is cut.
-"""
+"""The reports of the equivalence check: the float64 diagnostic's and the production traces'."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch
-import torch.nn as nn
-
-from gradaccum.batch import Batch
+from gradaccum.check.tolerances import Tolerance
 from gradaccum.errors import EquivalenceError
-from gradaccum.hazards.scanner import Finding, stochastic_modules
+from gradaccum.hazards.scanner import Finding
 
-__all__ = [
-    "GRAD_TOLERANCES",
-    "PARAM_TOLERANCES",
-    "TRACE_TOLERANCES",
-    "EquivalenceReport",
-    "ParamRow",
-    "Tolerance",
-    "TraceReport",
-    "cast_batch",
-    "disable_stochastic",
-    "dtype_name",
-]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Tolerance:
-    """A declared tolerance and why it is that value."""
-
-    value: float
-    """The largest error that passes."""
-    reason: str
-    """The dtype's rounding against the size of the errors the check must catch."""
-
-    def __str__(self) -> str:
-        return f"{self.value:.0e}"
-
-    def __float__(self) -> float:
-        return float(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec) if spec else str(self)
-
-
-GRAD_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float64: Tolerance(
-        value=1e-10,
-        reason="relative L2 per parameter. float64 rounds at 1.1e-16 and both sides sum the same terms "
-        "in a different order, which moves a gradient by ~1e-15 relative at these sizes: 1e-10 "
-        "leaves 1e5 of margin, while weighting errors (a mean of means, per-micro-batch "
-        "BatchNorm) are above 1e-3",
-    ),
-    torch.float32: Tolerance(
-        value=1e-4,
-        reason="relative L2 per parameter. float32 rounds at 6e-8 and reordered sums of thousands of "
-        "terms move gradients by up to ~1e-6 relative: 1e-4 leaves margin, while weighting "
-        "errors are above 1e-3",
-    ),
-}
-"""Gradient tolerances per diagnostic dtype. Half precisions belong to the trace stage."""
-
-PARAM_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float64: Tolerance(
-        value=1e-10,
-        reason="largest absolute difference after one update. With SGD at lr 0.1, a gradient error "
-        "at its tolerance moves O(1) weights by ~1e-11; float64 rounds them at 1e-16",
-    ),
-    torch.float32: Tolerance(
-        value=1e-5,
-        reason="largest absolute difference after one update. With SGD at lr 0.1, a gradient error "
-        "at its tolerance moves O(1) weights by ~1e-5; float32 rounds them at 6e-8",
-    ),
-}
+__all__ = ["EquivalenceReport", "ParamRow", "TraceReport"]
 
 
 class ParamRow(NamedTuple):
@@ -162,77 +91,6 @@ class EquivalenceReport:
             causes = "".join(f"\n  - {c}" for c in self.likely_causes)
             raise EquivalenceError(f"{self.name or 'the model'}: {self.summary()}; likely causes:{causes}")
         return self
-
-
-def cast_batch(batch: Batch, dtype: torch.dtype, device: torch.device | str) -> Batch:
-    """``batch`` on ``device`` with floating tensors in ``dtype`` (integer tensors keep theirs)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device=device, dtype=dtype if batch.is_floating_point() else batch.dtype)
-    if isinstance(batch, Mapping):
-        cast = {key: cast_batch(value, dtype, device) for key, value in batch.items()}
-        try:
-            return type(batch)(cast)  # type: ignore[call-arg]
-        except TypeError:  # a mapping type that cannot be built from a dict
-            return cast
-    if isinstance(batch, (tuple, list)):
-        values = [cast_batch(value, dtype, device) for value in batch]
-        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)
-    return batch
-
-
-def disable_stochastic(model: nn.Module) -> tuple[str, ...]:
-    """Switch off the random layers the scan recognises, leaving normalization's mode alone.
-
-    Dropout-like modules go to eval mode; MultiheadAttention gets ``dropout=0``. Fractional max
-    pooling cannot be switched off and stays (the reproducibility probe reports it).
-    """
-    disabled = []
-    for path, module in list(stochastic_modules(model)):
-        if isinstance(module, nn.MultiheadAttention):
-            module.dropout = 0.0
-        elif isinstance(module, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)):
-            continue
-        else:
-            module.eval()
-        disabled.append(path)
-    return tuple(disabled)
-
-
-TRACE_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float64: Tolerance(
-        value=1e-10,
-        reason="largest relative difference of each trace over at most 50 steps. float64 rounds at "
-        "1.1e-16; the tiny GPT's traces stay within 5e-16 over 50 steps, so 1e-10 allows a "
-        "million-fold growth through the updates, while a batch-coupled layer moves them by >1e-2 "
-        "within 5 steps",
-    ),
-    torch.float32: Tolerance(
-        value=1e-4,
-        reason="largest relative difference of each trace over at most 50 steps. float32 rounds at "
-        "6e-8; the tiny GPT's traces stay within 2.2e-7 over 50 steps, so 1e-4 leaves 400x for "
-        "models whose rounding compounds faster, while a batch-coupled layer moves them by >1e-2 "
-        "within 5 steps",
-    ),
-    torch.bfloat16: Tolerance(
-        value=5e-2,
-        reason="largest relative difference of each trace over at most 50 steps. bfloat16 keeps 8 "
-        "significant bits (one ulp is 7.8e-3 relative) and the gradient norm of bf16 gradients moves "
-        "by about one ulp between partitionings (7.5e-3 at most on the tiny GPT over 50 steps): "
-        "5e-2 is ~6 ulps. Only gross errors show at this precision; the float64 stage is the fine check",
-    ),
-    torch.float16: Tolerance(
-        value=1e-2,
-        reason="largest relative difference of each trace over at most 50 steps. float16 keeps 11 "
-        "significant bits (one ulp is 9.8e-4 relative); the tiny GPT's traces differ by at most 9e-4 "
-        "over 50 steps, and 1e-2 is ~10 ulps",
-    ),
-}
-"""Trace tolerances per production precision, for windows of up to ``MAX_TRACE_STEPS`` steps."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float64`` -> ``"float64"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,10 +15,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from gradaccum.batch import split, split_sizes
-from gradaccum.check.report import TRACE_TOLERANCES, TraceReport, cast_batch, disable_stochastic, dtype_name
+from gradaccum.batch import cast, split, split_sizes
+from gradaccum.check.controls import disable_stochastic
+from gradaccum.check.report import TraceReport
+from gradaccum.check.tolerances import TRACE_TOLERANCES
 from gradaccum.check.workload import Workload
 from gradaccum.errors import PlanError, WorkloadError
+from gradaccum.precision import dtype_name
 from gradaccum.step.accumulator import Accumulator
 
 __all__ = ["MAX_TRACE_STEPS", "TraceReport", "compare_traces"]
@@ -50,7 +53,7 @@ def _run(
     trace = _Trace()
     total = sum(sizes)
     for step in range(steps):
-        batch = cast_batch(workload.make_batch(total, seed + step), dtype, where)
+        batch = cast(workload.make_batch(total, seed + step), dtype, where)
         torch.manual_seed(seed + step)  # any randomness left draws the same on both sides
         result = acc.step(split(batch, sizes=sizes), workload.loss_fn, workload.count_fn)
         trace.loss.append(math.nan if result.loss is None or not result.applied else result.loss)

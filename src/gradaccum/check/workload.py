@@ -19,6 +19,7 @@ import torch.nn as nn
 from gradaccum.batch import Batch
 from gradaccum.errors import GradAccumError, WorkloadError
 from gradaccum.step.accumulator import CountFn, LossFn
+from gradaccum.values import require_int
 
 __all__ = ["OptimizerFactory", "Workload", "load_workload", "sgd"]
 
@@ -65,11 +66,7 @@ class Workload:
             if not callable(getattr(self, name)):
                 raise WorkloadError(f"Workload {self.name!r}: {name} must be callable")
         for name in ("batch_size", "micro_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise WorkloadError(
-                    f"Workload {self.name!r}: {name} must be a positive integer, got {value!r}"
-                )
+            require_int(f"Workload {self.name!r}: {name}", getattr(self, name), error=WorkloadError)
 
     def batch(self, seed: int = 0) -> Batch:
         """The verification batch (``batch_size`` examples drawn with ``seed``)."""

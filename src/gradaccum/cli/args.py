@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gradaccum.bench.accept import DEFAULT_WORKLOAD
-from gradaccum.bench.spec import BenchError, MeasureSettings
-from gradaccum.errors import PlanError
+from gradaccum.bench.spec import MeasureSettings
+from gradaccum.errors import BenchError, PlanError
 from gradaccum.plan import BatchPlan
-from gradaccum.runcard import PRECISIONS
+from gradaccum.precision import PRECISIONS
 
 __all__ = [
     "DEFAULT_WORKLOAD",

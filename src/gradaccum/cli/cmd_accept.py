@@ -16,7 +16,6 @@ from rich.table import Table
 
 from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept
 from gradaccum.bench.report import comm_rows, memory_rows, time_rows
-from gradaccum.bench.spec import plan_label
 from gradaccum.check.workload import load_workload
 from gradaccum.cli.args import add_measure_options, measure_settings, parse_plan
 from gradaccum.cli.cmd_bench import (
@@ -101,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
     b, c = spec.baseline, spec.candidate
     console.print(
-        f"baseline {plan_label(b)} vs candidate {plan_label(c)} on {escape(spec.workload)}: global batch "
+        f"baseline {b.label()} vs candidate {c.label()} on {escape(spec.workload)}: global batch "
         f"{b.global_batch} ({b.equation()}; {c.equation()}); precision {spec.settings.precision}; "
         f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
     )
@@ -120,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     colour = "green" if result.verdict.adopt else "yellow"
     chosen = result.card.plan
     console.print(
-        f"[bold {colour}]{result.verdict.decision}[/bold {colour}]: run card records {plan_label(chosen)} "
+        f"[bold {colour}]{result.verdict.decision}[/bold {colour}]: run card records {chosen.label()} "
         f"({chosen.equation()})"
     )
     if not result.equivalence_passed:

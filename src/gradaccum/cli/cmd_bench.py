@@ -21,12 +21,12 @@ from rich.table import Table
 
 from gradaccum.bench.report import comm_rows, fmt_bytes, memory_rows, time_rows
 from gradaccum.bench.runner import TORCHRUN_VARIABLES, Launch, run_isolated, run_joined
-from gradaccum.bench.spec import BenchError, MeasureSpec, RunRecord, plan_label
+from gradaccum.bench.spec import MeasureSpec, RunRecord
 from gradaccum.bench.sweep import ProgressEvent, SweepSpec, run_sweep
 from gradaccum.check.workload import load_workload
 from gradaccum.cli.args import add_measure_options, measure_settings, parse_plan, parse_size
 from gradaccum.cli.render import console
-from gradaccum.errors import PlanError
+from gradaccum.errors import BenchError, PlanError
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
                     if largest is None
                     else f"largest micro-batch that fits: {largest}"
                 )
-                + f"; largest factorization that fits: {plan_label(plan) if plan else 'none'}"
+                + f"; largest factorization that fits: {plan.label() if plan else 'none'}"
             )
     console.print(
         rich_table(

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gradaccum.check.equivalence import EquivalenceReport, TraceReport, compare_traces, verify_workload
-from gradaccum.check.report import GRAD_TOLERANCES, TRACE_TOLERANCES, dtype_name
+from gradaccum.check.tolerances import GRAD_TOLERANCES, TRACE_TOLERANCES
 from gradaccum.check.traces import MAX_TRACE_STEPS
 from gradaccum.check.workload import Workload, load_workload
 from gradaccum.cli.args import add_workload_option, int_at_least
@@ -24,6 +24,7 @@ from gradaccum.cli.cmd_scan import render_findings
 from gradaccum.cli.main import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from gradaccum.cli.render import console, mark
 from gradaccum.errors import PlanError
+from gradaccum.precision import dtype_name
 
 WORST_SHOWN = 5
 _DTYPES = {dtype_name(d): d for d in (*GRAD_TOLERANCES, *TRACE_TOLERANCES)}

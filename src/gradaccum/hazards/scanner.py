@@ -30,6 +30,7 @@ from typing import Literal
 import torch.nn as nn
 
 from gradaccum.errors import PlanError
+from gradaccum.values import require_int
 
 __all__ = [
     "AUX_LOSS_NAMES",
@@ -395,12 +396,8 @@ def scan(
     ``declared_hazards`` are couplings the workload declares for its loss. Findings come errors
     first, then warnings, then notes; the last one always says that ``verify`` is the empirical check.
     """
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise PlanError(f"accum_steps must be a positive integer, got {accum_steps!r}")
-    if micro_batch is not None and (
-        isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1
-    ):
-        raise PlanError(f"micro_batch must be a positive integer or None, got {micro_batch!r}")
+    require_int("accum_steps", accum_steps)
+    require_int("micro_batch", micro_batch, none_ok=True)
     if not isinstance(model, nn.Module):
         raise PlanError(f"scan needs a torch.nn.Module, got {type(model).__name__}")
     k = accum_steps

@@ -173,6 +173,11 @@ class Accumulator:
         return self._engine.dp_group
 
     @property
+    def device(self) -> torch.device:
+        """Where the model's parameters, and the step's counts and flags, live."""
+        return self._engine.device
+
+    @property
     def kind(self) -> str:
         """How the model's gradients are synchronized: ``local``, ``ddp``, ``fsdp`` or ``fsdp2``."""
         return self._engine.kind

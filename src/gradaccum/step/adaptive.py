@@ -25,14 +25,13 @@ from gradaccum.errors import PlanError, WindowOutOfMemoryError
 from gradaccum.rng import capture_rng, restore_rng
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
 from gradaccum.step.config import StepResult
+from gradaccum.values import require_int
 
 __all__ = ["AdaptiveMicroBatch", "step_adaptive"]
 
 
 def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return require_int(name, value, error=PlanError)
 
 
 def _sizes(total: int, micro_batch: int) -> list[int]:
@@ -71,7 +70,7 @@ def step_adaptive(
             return acc.step(window, loss_fn, count_fn), size
         except WindowOutOfMemoryError as exc:
             # every rank is here together; give up on all of them if any one cannot shrink further
-            at_floor = torch.tensor([float(size <= floor)], dtype=torch.float64, device=_device(acc))
+            at_floor = torch.tensor([float(size <= floor)], dtype=torch.float64, device=acc.device)
             if dist.all_reduce_sum_(at_floor, acc.dp_group, what="whether each rank can shrink").item():
                 raise WindowOutOfMemoryError(
                     f"{exc} Even micro_batch={size} (min_micro_batch={floor}) on this rank, or the "
@@ -103,13 +102,8 @@ def _check_drivable(acc: object) -> None:
     raise TypeError(f"step_adaptive needs a gradaccum.Accumulator, got {type(acc).__name__}")
 
 
-def _device(acc: Accumulator) -> torch.device:
-    first = next(iter(acc.model.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
 def _release_cached_memory(acc: Accumulator) -> None:
-    if _device(acc).type == "cuda":
+    if acc.device.type == "cuda":
         torch.cuda.empty_cache()
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from gradaccum.errors import ConfigError
+from gradaccum.values import require_int
 
 __all__ = ["AccumConfig", "LossReduction", "StepResult"]
 
@@ -71,12 +72,9 @@ class AccumConfig:
             )
         for name in ("defer_sync", "track_grad_norm", "skip_nonfinite", "agree_on_failure"):
             _bool(name, getattr(self, name))
-        limit = self.max_consecutive_skips
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ConfigError(
-                f"AccumConfig.max_consecutive_skips must be a positive integer or None (no limit), "
-                f"got {limit!r}"
-            )
+        require_int(
+            "AccumConfig.max_consecutive_skips", self.max_consecutive_skips, error=ConfigError, none_ok=True
+        )
 
     @property
     def wants_norm(self) -> bool:

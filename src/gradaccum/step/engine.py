@@ -65,6 +65,7 @@ from gradaccum.step.agreement import (
 from gradaccum.step.checks import as_count, check_window_shapes
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.norms import clip_grads_, grad_norm
+from gradaccum.values import require_int
 
 __all__ = [
     "ZERO_COUNT",
@@ -222,8 +223,7 @@ class WindowEngine:
             raise ConfigError(f"an accumulator state_dict holds exactly {list(_STATE_KEYS)}, got {got}")
         for key in _STATE_KEYS:
             value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"accumulator state {key} must be a non-negative integer, got {value!r}")
+            require_int(f"accumulator state {key}", value, low=0, error=ConfigError)
         if state["consecutive_skips"] > state["steps_skipped"]:
             raise ConfigError(
                 f"accumulator state has consecutive_skips={state['consecutive_skips']} > "

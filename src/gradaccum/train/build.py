@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.check.workload import Workload
 from gradaccum.distributed import dist
-from gradaccum.step.accumulator import LossFn
 from gradaccum.train.config import TrainConfig, TrainError
 
-__all__ = ["build_model", "build_optimizer", "build_scaler", "precision_loss"]
+__all__ = ["build_model", "build_optimizer"]
 
 
 def build_model(workload: Workload, config: TrainConfig, device: torch.device) -> nn.Module:
@@ -55,21 +52,3 @@ def build_optimizer(config: TrainConfig, workload: Workload, model: nn.Module) -
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
     return workload.optimizer_factory(params)
-
-
-def build_scaler(config: TrainConfig, device: torch.device) -> Any:
-    """A GradScaler for float16 (on the run's device type, ``"cpu"`` on CPU); None otherwise."""
-    return torch.amp.GradScaler(device.type) if config.precision == "float16" else None
-
-
-def precision_loss(loss_fn: LossFn, precision: str, device: torch.device) -> LossFn:
-    """``loss_fn`` under autocast for bfloat16/float16; unchanged for float32/float64."""
-    if precision not in ("bfloat16", "float16"):
-        return loss_fn
-    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float16
-
-    def autocast_loss(model: nn.Module, micro_batch: Any) -> torch.Tensor:
-        with torch.autocast(device_type=device.type, dtype=dtype):
-            return loss_fn(model, micro_batch)
-
-    return autocast_loss

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from gradaccum.atomic import atomic_save, atomic_write_text
 from gradaccum.distributed import dist
 from gradaccum.errors import CheckpointError
 from gradaccum.plan import BatchPlan
-from gradaccum.runcard import atomic_write_text
 from gradaccum.train.data import DataPosition
 
 __all__ = [
@@ -91,19 +90,6 @@ def _barrier(device: torch.device, failed: bool = False) -> int:
     """Wait for every rank; returns how many ranks reported ``failed`` (so all can raise together)."""
     flag = torch.tensor([1.0 if failed else 0.0], device=device)
     return int(dist.all_reduce_sum_(flag).item())
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _rng_state() -> dict[str, Any]:
@@ -163,7 +149,7 @@ def save_checkpoint(
     if _barrier(device, error is not None):
         raise CheckpointError(f"cannot create checkpoint folder {tmp}: {error}")
     try:
-        _atomic_save({"rank": rank, "rng": _rng_state()}, tmp / _rng_file(rank))
+        atomic_save({"rank": rank, "rng": _rng_state()}, tmp / _rng_file(rank))
         if rank == 0:
             state = {
                 "format": CHECKPOINT_FORMAT,
@@ -176,7 +162,7 @@ def save_checkpoint(
                 "plan": {"micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps, "dp": plan.dp},
                 "meta": meta,
             }
-            _atomic_save(state, tmp / STATE_FILE)
+            atomic_save(state, tmp / STATE_FILE)
     except (OSError, RuntimeError) as exc:
         error = exc
     failed = _barrier(device, error is not None)

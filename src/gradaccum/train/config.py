@@ -8,8 +8,10 @@ from typing import Literal
 
 from gradaccum.errors import TrainError
 from gradaccum.plan import BatchPlan
+from gradaccum.precision import PRECISIONS, Precision
 from gradaccum.step.config import AccumConfig
 from gradaccum.train.schedule import ScheduleConfig
+from gradaccum.values import require_int
 
 __all__ = [
     "DEFAULT_WORKLOAD",
@@ -21,25 +23,15 @@ __all__ = [
 
 DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
 
-Precision = Literal["float64", "float32", "bfloat16", "float16"]
-"""``float64``/``float32``: the model in that dtype. ``bfloat16``: float32 weights under autocast.
-``float16``: float32 weights under autocast with a GradScaler (skipped steps counted)."""
-
 OptimizerName = Literal["adamw", "sgd", "workload"]
 """``adamw``/``sgd``: built with ``lr`` and ``weight_decay``. ``workload``: the workload's own
 ``optimizer_factory``; its groups' learning rates are the schedule's peak."""
 
-_PRECISIONS = ("float64", "float32", "bfloat16", "float16")
 _OPTIMIZERS = ("adamw", "sgd", "workload")
 
 
 def _positive(name: str, value: object, *, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TrainError(
-            f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}"
-        )
+    require_int(name, value, error=TrainError, none_ok=allow_none)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,8 +90,8 @@ class TrainConfig:
         _positive("eval_every", self.eval_every)
         _positive("keep_checkpoints", self.keep_checkpoints, allow_none=False)
         _positive("eval_examples", self.eval_examples, allow_none=False)
-        if self.precision not in _PRECISIONS:
-            raise TrainError(f"precision must be one of {_PRECISIONS}, got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise TrainError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.optimizer not in _OPTIMIZERS:
             raise TrainError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradaccum.batch import Batch, batch_size, split, take, to_device
+from gradaccum.batch import Batch, batch_size, cast, split, take, to_device
 from gradaccum.plan import BatchPlan
 from gradaccum.step.accumulator import CountFn
 from gradaccum.train.config import TrainError
@@ -33,7 +33,6 @@ __all__ = [
     "DataPosition",
     "ShardedStream",
     "Window",
-    "cast_floating",
     "eval_seed",
     "shard_bounds",
     "train_seed",
@@ -83,18 +82,6 @@ class Window:
     """This rank's ``accum_steps`` micro-batches, on the training device."""
     global_count: int
     """Valid units in the whole global batch (all ranks): the window's N."""
-
-
-def cast_floating(batch: Batch, dtype: torch.dtype) -> Batch:
-    """``batch`` with its floating tensors cast to ``dtype`` (integer ids and labels untouched)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, dict):
-        return {key: cast_floating(value, dtype) for key, value in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        items = [cast_floating(value, dtype) for value in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
 
 
 class ShardedStream:
@@ -151,4 +138,4 @@ class ShardedStream:
 
     def _prepare(self, batch: Batch) -> Batch:
         batch = to_device(batch, self.device)
-        return cast_floating(batch, self.float_dtype) if self.float_dtype is not None else batch
+        return cast(batch, self.float_dtype) if self.float_dtype is not None else batch

@@ -28,9 +28,10 @@ import torch.nn as nn
 
 from gradaccum.check.workload import Workload, load_workload
 from gradaccum.distributed import dist
+from gradaccum.precision import autocast_loss, make_scaler
 from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
-from gradaccum.train.build import build_model, build_optimizer, build_scaler, precision_loss
+from gradaccum.train.build import build_model, build_optimizer
 from gradaccum.train.checkpoint import TrainProgress, latest_checkpoint, load_checkpoint, save_checkpoint
 from gradaccum.train.config import TrainConfig, TrainError
 from gradaccum.train.data import ShardedStream
@@ -145,7 +146,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
     model = build_model(workload, config, device)
     optimizer = build_optimizer(config, workload, model)
     apply_lr(optimizer, 1.0)  # records each group's peak as initial_lr before any state is loaded
-    scaler = build_scaler(config, device)
+    scaler = make_scaler(config.precision, device)
     stream = ShardedStream(
         workload.make_batch,
         workload.count_fn,
@@ -179,7 +180,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         acc=acc,
         stream=stream,
         schedule=schedule,
-        loss_fn=precision_loss(workload.loss_fn, config.precision, device),
+        loss_fn=autocast_loss(workload.loss_fn, config.precision, device),
         count_fn=workload.count_fn,
         device=device,
         progress=progress,

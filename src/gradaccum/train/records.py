@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, TypeAlias
 
-from gradaccum.runcard import atomic_write_text
+from gradaccum.atomic import atomic_write_text
 
 __all__ = [
     "LOSS_PNG",

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from gradaccum.errors import ScheduleError
+from gradaccum.values import require_int
 
 __all__ = [
     "SKIPPED_POLICY",
@@ -75,8 +76,7 @@ class ScheduleConfig:
             raise ScheduleError(f"schedule clock must be 'steps' or 'tokens', got {self.clock!r}")
         for name in ("warmup", "horizon"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ScheduleError(f"schedule {name} must be a non-negative integer or None, got {value!r}")
+            require_int(f"schedule {name}", value, low=0, error=ScheduleError, none_ok=True)
         if not (isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0):
             raise ScheduleError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
 

@@ -1,0 +1,77 @@
+"""Precision names and what each means, defined once: parameter dtype, autocast dtype, the scaler.
+
+``float64``/``float32``: the model and its floating inputs in that dtype. ``bfloat16``: float32
+weights under autocast. ``float16``: float32 weights under autocast with a GradScaler (overflowed
+updates are skipped and counted).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "PRECISIONS",
+    "Precision",
+    "autocast_dtype",
+    "autocast_loss",
+    "dtype_name",
+    "dtype_of",
+    "make_scaler",
+    "param_dtype",
+]
+
+Precision = Literal["float64", "float32", "bfloat16", "float16"]
+PRECISIONS: tuple[Precision, ...] = ("float64", "float32", "bfloat16", "float16")
+"""Every precision a command, a run card or a training run takes."""
+
+_AUTOCAST: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_of(precision: str) -> torch.dtype:
+    """The dtype a precision name stands for (a pure-precision cast, as the trace stage uses)."""
+    return _DTYPES[precision]
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype of the model's parameters: float64 for ``float64``, else float32."""
+    return torch.float64 if precision == "float64" else torch.float32
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a mixed precision, ``None`` for full precision."""
+    return _AUTOCAST.get(precision)
+
+
+def autocast_loss(loss_fn: Any, precision: str, device: torch.device | str) -> Any:
+    """``loss_fn(model, micro_batch)`` under autocast for bfloat16/float16; unchanged otherwise."""
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return loss_fn
+    device_type = torch.device(device).type
+
+    def loss_under_autocast(model: nn.Module, micro_batch: Any) -> torch.Tensor:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return loss_fn(model, micro_batch)
+
+    return loss_under_autocast
+
+
+def make_scaler(precision: str, device: torch.device | str) -> Any:
+    """A GradScaler for ``float16`` on the device's type (``"cpu"`` on CPU); ``None`` otherwise."""
+    return torch.amp.GradScaler(torch.device(device).type) if precision == "float16" else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float64`` -> ``"float64"``."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,45 @@
+"""Checking the plain values a user passes: one place, one wording.
+
+Every setting that must be a whole number goes through :func:`require_int`, which refuses ``bool``
+(``True`` is an ``int`` in Python) and says what arrived, so that messages read the same wherever
+the value came from; the caller names the error class of its feature.
+"""
+
+from __future__ import annotations
+
+from typing import overload
+
+from gradaccum.errors import GradAccumError, PlanError
+
+__all__ = ["is_int", "require_int"]
+
+
+def is_int(value: object) -> bool:
+    """A true integer: ``int`` but not ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@overload
+def require_int(
+    name: str, value: object, *, low: int = 1, error: type[GradAccumError] = PlanError
+) -> int: ...
+@overload
+def require_int(
+    name: str, value: object, *, low: int = 1, error: type[GradAccumError] = PlanError, none_ok: bool
+) -> int | None: ...
+def require_int(
+    name: str, value: object, *, low: int = 1, error: type[GradAccumError] = PlanError, none_ok: bool = False
+) -> int | None:
+    """``value`` if it is an integer ``>= low`` (or ``None`` with ``none_ok``); else ``error``.
+
+    >>> require_int("micro_batch", "2")
+    Traceback (most recent call last):
+    gradaccum.errors.PlanError: micro_batch must be a positive integer, got '2' (str)
+    """
+    if value is None and none_ok:
+        return None
+    if is_int(value) and value >= low:  # type: ignore[operator]
+        return value  # type: ignore[return-value]
+    kind = {1: "a positive integer", 0: "a non-negative integer"}.get(low, f"an integer >= {low}")
+    got = f"{value!r}" if is_int(value) else f"{value!r} ({type(value).__name__})"
+    raise error(f"{name} must be {kind}{' or None' if none_ok else ''}, got {got}")
