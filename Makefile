@@ -21,11 +21,13 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/gradaccum accept
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# style and types: part of `make test` (what CI runs); any finding fails it
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
 clean:

@@ -15,7 +15,7 @@ from gradaccum.bench.measure import measure_safely
 from gradaccum.bench.spec import MeasureSpec, RunRecord
 from gradaccum.check.workload import load_workload
 from gradaccum.cli import cmd_accept
-from gradaccum.cli.cmd_bench import Launching
+from gradaccum.cli.common import Launching
 from gradaccum.cli.main import main
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import read_runcard

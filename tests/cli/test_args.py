@@ -1,4 +1,4 @@
-"""The options and value parsers the subcommands share (``gradaccum.cli.args``)."""
+"""The options and value parsers the subcommands share (``gradaccum.cli.common``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gradaccum.bench.spec import BenchError, MeasureSettings
-from gradaccum.cli.args import (
+from gradaccum.cli.common import (
     DEFAULT_WORKLOAD,
     add_measure_options,
     int_at_least,

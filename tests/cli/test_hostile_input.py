@@ -169,7 +169,7 @@ def test_a_workload_spec_with_colons_is_printed_as_written(
 
 
 def test_the_shared_console_prints_user_text_without_emoji_codes() -> None:
-    from gradaccum.cli.render import console
+    from gradaccum.cli.common import console
 
     with console.capture() as captured:
         console.print("workload a:b:c, :smile:")

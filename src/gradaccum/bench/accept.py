@@ -32,7 +32,7 @@ from gradaccum.bench.verdict import (
     Verdict,
     decide,
 )
-from gradaccum.check.workload import Workload
+from gradaccum.check.workload import DEFAULT_WORKLOAD, Workload
 from gradaccum.errors import BenchError, PlanError
 from gradaccum.plan import BatchPlan
 from gradaccum.precision import dtype_of
@@ -50,7 +50,6 @@ __all__ = [
     "run_accept",
 ]
 
-DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
 ACCEPT_SETTINGS = MeasureSettings(runs=MIN_RUNS, steps=50)
 """The measurement settings of an acceptance run unless given: the protocol's minimum of runs, and
 longer runs than a sweep's, since a verdict rests on two configurations only."""

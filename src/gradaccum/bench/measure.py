@@ -19,7 +19,7 @@ import time
 import traceback
 
 import torch
-import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import precision
 from gradaccum.batch import Batch, cast, split, take
@@ -27,6 +27,7 @@ from gradaccum.bench.spec import Measurement, MeasureSpec, RunRecord
 from gradaccum.check.workload import Workload
 from gradaccum.distributed import dist
 from gradaccum.distributed.comm import CommCounter, count_allreduces
+from gradaccum.distributed.wrap import wrap_model
 from gradaccum.errors import BenchError
 from gradaccum.step.accumulator import Accumulator
 
@@ -104,18 +105,10 @@ def measure(workload: Workload, spec: MeasureSpec, *, fresh_process: bool = Fals
     torch.manual_seed(spec.seed)
     base = workload.build_model().to(device=device, dtype=param_dtype)
     gradient_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-    model: nn.Module = base
+    model = wrap_model(base, device, bucket_cap_mb=spec.bucket_cap_mb)
     counter: CommCounter | None = None
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [device] if device.type == "cuda" else None
-        if spec.bucket_cap_mb is None:
-            ddp = DistributedDataParallel(base, device_ids=ids)
-        else:
-            ddp = DistributedDataParallel(base, device_ids=ids, bucket_cap_mb=spec.bucket_cap_mb)
-        counter = count_allreduces(ddp)
-        model = ddp
+    if isinstance(model, DistributedDataParallel):
+        counter = count_allreduces(model)
     optimizer = workload.optimizer_factory(model.parameters())
     scaler = precision.make_scaler(spec.precision, device)
     clock = _Clock(device)

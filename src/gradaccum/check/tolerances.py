@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GRAD_TOLERANCES", "PARAM_TOLERANCES", "TRACE_TOLERANCES", "Tolerance"]
+__all__ = ["GRAD_TOLERANCES", "MAX_TRACE_STEPS", "PARAM_TOLERANCES", "TRACE_TOLERANCES", "Tolerance"]
+
+MAX_TRACE_STEPS = 50
+"""The longest window the trace tolerances are declared for."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

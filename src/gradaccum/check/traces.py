@@ -18,16 +18,13 @@ import torch.nn as nn
 from gradaccum.batch import cast, split, split_sizes
 from gradaccum.check.controls import disable_stochastic
 from gradaccum.check.report import TraceReport
-from gradaccum.check.tolerances import TRACE_TOLERANCES
+from gradaccum.check.tolerances import MAX_TRACE_STEPS, TRACE_TOLERANCES
 from gradaccum.check.workload import Workload
 from gradaccum.errors import PlanError, WorkloadError
 from gradaccum.precision import dtype_name
 from gradaccum.step.accumulator import Accumulator
 
 __all__ = ["MAX_TRACE_STEPS", "TraceReport", "compare_traces"]
-
-MAX_TRACE_STEPS = 50
-"""The longest window the trace tolerances are declared for."""
 
 
 class _Trace:

@@ -21,7 +21,10 @@ from gradaccum.errors import GradAccumError, WorkloadError
 from gradaccum.step.accumulator import CountFn, LossFn
 from gradaccum.values import require_int
 
-__all__ = ["OptimizerFactory", "Workload", "load_workload", "sgd"]
+__all__ = ["DEFAULT_WORKLOAD", "OptimizerFactory", "Workload", "load_workload", "sgd"]
+
+DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
+"""The bundled tiny character GPT: what every command runs when no ``--workload`` is given."""
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 

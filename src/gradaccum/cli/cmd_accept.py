@@ -11,26 +11,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from rich.markup import escape
 from rich.table import Table
 
-from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept
-from gradaccum.bench.report import comm_rows, memory_rows, time_rows
-from gradaccum.check.workload import load_workload
-from gradaccum.cli.args import add_measure_options, measure_settings, parse_plan
-from gradaccum.cli.cmd_bench import (
+from gradaccum.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_measure_options,
+    console,
+    escape,
     finish_launching,
     make_launching,
+    mark,
+    measure_settings,
+    parse_plan,
     progress_bar,
     resolve_device,
     resolve_dp,
     rich_table,
     torchrun_leader,
 )
-from gradaccum.cli.render import console, mark
-from gradaccum.runcard import environment
 
-EXIT_OK, EXIT_FAILED = 0, 1
 DEFAULT_BASELINE, DEFAULT_CANDIDATE = "8x4", "4x8"
 
 
@@ -59,7 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept
+    from gradaccum.bench.report import comm_rows, memory_rows, time_rows
     from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
+    from gradaccum.check.workload import load_workload
+    from gradaccum.runcard import environment
 
     dp = resolve_dp(args.dp)
     device = resolve_device(args.device, dp)

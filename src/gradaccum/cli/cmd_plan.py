@@ -6,8 +6,7 @@ import argparse
 
 from rich.table import Table
 
-from gradaccum.cli.args import parse_plan
-from gradaccum.cli.render import console, yes_no
+from gradaccum.cli.common import console, parse_plan, yes_no
 from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan, compare_plans
 

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 
-from rich.markup import escape
-
-from gradaccum.check.workload import load_workload
-from gradaccum.cli.args import add_workload_option, int_at_least
-from gradaccum.cli.render import console
+from gradaccum.cli.common import add_workload_option, console, escape, int_at_least, render_findings
 from gradaccum.errors import PlanError
-from gradaccum.hazards.scanner import Finding, scan
-
-_STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,33 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _join(paths: Sequence[str]) -> str:
-    quoted = [f"`{p}`" for p in paths]
-    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
-
-
-def group_findings(findings: Sequence[Finding]) -> list[tuple[Finding, list[str]]]:
-    """Findings that differ only in the module path, merged (a ResNet has dozens of BatchNorms)."""
-    groups: dict[tuple[str, ...], tuple[Finding, list[str]]] = {}
-    for f in findings:
-        key = (f.code, f.severity, f.kind, f.summary, f.explanation, f.fix)
-        groups.setdefault(key, (f, []))[1].append(f.path)
-    return list(groups.values())
-
-
-def render_findings(findings: Sequence[Finding], *, details: bool = True) -> None:
-    """Print findings, one block per group; ``details=False`` prints the headlines only."""
-    for finding, paths in group_findings(findings):
-        style = _STYLE[finding.severity]
-        many = len(paths) > 1
-        head = f"{finding.kind} at {_join(paths)}: {finding.summary}" if many else finding.headline
-        console.print(f"[{style}]\\[{finding.severity}][/{style}] {finding.code}: {escape(head)}")
-        if details:
-            console.print(f"    {escape(finding.explanation)}")
-            console.print(f"    fix: {escape(finding.fix)}")
-
-
 def run(args: argparse.Namespace) -> int:
+    from gradaccum.check.workload import load_workload
+    from gradaccum.hazards.scanner import scan
+
     workload = load_workload(args.workload)
     micro = args.micro_batch if args.micro_batch is not None else workload.micro_batch
     if args.accum_steps is not None:

@@ -24,31 +24,21 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gradaccum.cli.render import console
+from gradaccum.cli.common import DEFAULT_WORKLOAD, EXIT_FAILED, EXIT_OK, console, escape
 from gradaccum.distributed import dist
-from gradaccum.errors import PlanError, TooManySkipsError
+from gradaccum.errors import PlanError, TooManySkipsError, TrainError
 from gradaccum.plan import BatchPlan
-from gradaccum.runcard import read_runcard
-from gradaccum.step.config import AccumConfig
-from gradaccum.train.checkpoint import resolve_checkpoint
-from gradaccum.train.config import DEFAULT_WORKLOAD, TrainConfig, TrainError
-from gradaccum.train.loop import RUNCARD_FILE, TrainControl, TrainResult, train
-from gradaccum.train.records import (
-    LOSS_PNG,
-    METRICS_FILE,
-    CheckpointRecord,
-    EvalRecord,
-    StepRecord,
-    TrainEvent,
-    TrainStart,
-)
-from gradaccum.train.schedule import ScheduleConfig
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from gradaccum.train.config import TrainConfig
+    from gradaccum.train.loop import TrainControl, TrainResult
+    from gradaccum.train.records import StepRecord, TrainEvent, TrainStart
 
 DEFAULT_GLOBAL_BATCH, DEFAULT_MICRO_BATCH, DEFAULT_STEPS = 32, 8, 200
 # flags a run card fixes; given explicitly beside --runcard they are refused, not silently ignored
@@ -123,6 +113,9 @@ def _given(value: Any, default: Any) -> Any:
 
 def _plan_and_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[str, Any]]:
     """The plan (solved against --global-batch, or the card's) and the settings the card fixes."""
+    from gradaccum.runcard import read_runcard
+    from gradaccum.step.config import AccumConfig
+
     if args.runcard is None:
         plan = BatchPlan.solve(
             global_batch=_given(args.global_batch, DEFAULT_GLOBAL_BATCH),
@@ -166,6 +159,9 @@ def _plan_and_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dic
 
 
 def _build_config(args: argparse.Namespace, world: int, device: torch.device, run_dir: Path) -> TrainConfig:
+    from gradaccum.train.config import TrainConfig
+    from gradaccum.train.schedule import ScheduleConfig
+
     plan, fixed = _plan_and_card(args, world)
     steps = args.steps if args.steps is not None or args.tokens is not None else DEFAULT_STEPS
     return TrainConfig(
@@ -233,6 +229,8 @@ def _init_distributed(device: torch.device) -> bool:
 
 def _run_dir(args: argparse.Namespace) -> Path:
     """The run folder, decided on rank 0 and shared, so every rank checkpoints into the same one."""
+    from gradaccum.train.checkpoint import resolve_checkpoint
+
     if args.run_dir is not None:
         mine = args.run_dir
     elif args.resume is not None:
@@ -280,6 +278,8 @@ class _Renderer:
         self.tokens, self.seconds = 0, 0.0
 
     def __call__(self, event: TrainEvent) -> None:
+        from gradaccum.train.records import CheckpointRecord, EvalRecord, StepRecord, TrainStart
+
         if isinstance(event, TrainStart):
             self._start(event)
         elif isinstance(event, StepRecord):
@@ -295,6 +295,8 @@ class _Renderer:
         (self.progress.console if self.progress is not None else console).print(text)
 
     def _start(self, start: TrainStart) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         cfg = self.config
         if self.args.runcard is not None:
             checked = f" (from run card {escape(str(self.args.runcard))})"
@@ -377,6 +379,9 @@ class _Renderer:
             self.progress = None
 
     def summary(self, result: TrainResult) -> None:
+        from gradaccum.train.loop import RUNCARD_FILE
+        from gradaccum.train.records import LOSS_PNG, METRICS_FILE
+
         losses = [r.loss for r in self.steps if r.loss is not None and r.applied]
         p = result.progress
         if losses:
@@ -411,6 +416,8 @@ def _fmt(value: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradaccum.train.loop import TrainControl, train
+
     device = _device(args.device)
     created = _init_distributed(device)
     try:
@@ -425,13 +432,13 @@ def run(args: argparse.Namespace) -> int:
             if renderer is not None:
                 renderer.close()
                 print(f"gradaccum train: training stopped: {exc}", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
         finally:
             if renderer is not None:
                 renderer.close()
         if renderer is not None:
             renderer.summary(result)
-        return 0
+        return EXIT_OK
     finally:
         if created and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

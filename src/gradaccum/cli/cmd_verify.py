@@ -10,21 +10,29 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import TYPE_CHECKING
 
 import torch
-from rich.markup import escape
 from rich.table import Table
 
-from gradaccum.check.equivalence import EquivalenceReport, TraceReport, compare_traces, verify_workload
-from gradaccum.check.tolerances import GRAD_TOLERANCES, TRACE_TOLERANCES
-from gradaccum.check.traces import MAX_TRACE_STEPS
-from gradaccum.check.workload import Workload, load_workload
-from gradaccum.cli.args import add_workload_option, int_at_least
-from gradaccum.cli.cmd_scan import render_findings
-from gradaccum.cli.main import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
-from gradaccum.cli.render import console, mark
+from gradaccum.check.tolerances import GRAD_TOLERANCES, MAX_TRACE_STEPS, TRACE_TOLERANCES
+from gradaccum.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_workload_option,
+    console,
+    escape,
+    int_at_least,
+    mark,
+    render_findings,
+)
 from gradaccum.errors import PlanError
 from gradaccum.precision import dtype_name
+
+if TYPE_CHECKING:
+    from gradaccum.check.report import EquivalenceReport, TraceReport
+    from gradaccum.check.workload import Workload
 
 WORST_SHOWN = 5
 _DTYPES = {dtype_name(d): d for d in (*GRAD_TOLERANCES, *TRACE_TOLERANCES)}
@@ -185,6 +193,9 @@ def _render_trace(trace: TraceReport) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradaccum.check.equivalence import compare_traces, verify_workload
+    from gradaccum.check.workload import load_workload
+
     if args.trace_steps > MAX_TRACE_STEPS:
         raise PlanError(
             f"--trace-steps {args.trace_steps} is longer than the {MAX_TRACE_STEPS}-step window the "

@@ -16,13 +16,10 @@ import sys
 from collections.abc import Sequence
 
 from gradaccum import __version__
-from gradaccum.distributed.dist import CollectiveError
-from gradaccum.errors import GradAccumError, TooManySkipsError
-from gradaccum.step.agreement import RankFailedError
+from gradaccum.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
+from gradaccum.errors import CollectiveError, GradAccumError, RankFailedError, TooManySkipsError
 
 __all__ = ["build_parser", "main"]
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,4 +58,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"gradaccum {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED

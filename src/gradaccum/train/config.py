@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from gradaccum.check.workload import DEFAULT_WORKLOAD
 from gradaccum.errors import TrainError
 from gradaccum.plan import BatchPlan
 from gradaccum.precision import PRECISIONS, Precision
@@ -21,7 +22,6 @@ __all__ = [
     "TrainError",
 ]
 
-DEFAULT_WORKLOAD = "gradaccum.examples:tiny_gpt"
 
 OptimizerName = Literal["adamw", "sgd", "workload"]
 """``adamw``/``sgd``: built with ``lr`` and ``weight_decay``. ``workload``: the workload's own

@@ -1,0 +1,367 @@
+"""What the subcommands share: exit codes, the console, argument types and options, the launcher,
+the progress bar, tables and findings. The one CLI module the others import; the measurement and
+training code is imported only inside the functions that use it, so ``gradaccum --help`` and
+``gradaccum plan`` start in about the time of ``import torch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gradaccum.check.workload import DEFAULT_WORKLOAD
+from gradaccum.errors import BenchError, PlanError
+from gradaccum.plan import BatchPlan
+from gradaccum.precision import PRECISIONS
+
+if TYPE_CHECKING:
+    from gradaccum.bench.runner import Launch
+    from gradaccum.bench.spec import MeasureSettings
+    from gradaccum.bench.sweep import ProgressEvent
+    from gradaccum.hazards.scanner import Finding
+
+__all__ = [
+    "DEFAULT_WORKLOAD",
+    "EXIT_BAD_INPUT",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "Launching",
+    "add_measure_options",
+    "add_workload_option",
+    "console",
+    "default_threads",
+    "escape",
+    "finish_launching",
+    "int_at_least",
+    "make_launching",
+    "mark",
+    "measure_settings",
+    "parse_plan",
+    "parse_size",
+    "progress_bar",
+    "render_findings",
+    "resolve_device",
+    "resolve_dp",
+    "rich_table",
+    "torchrun_leader",
+    "torchrun_world",
+    "yes_no",
+]
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+"""0 success; 1 a check that ran and failed, or a run that failed on its own; 2 bad input;
+130 interrupted (128 + SIGINT), as shells and schedulers expect."""
+
+# -- the console ---------------------------------------------------------------------------------
+
+_probe = Console()
+# Piped output (CI logs, files) gets a wide table instead of rich's 80-column default. No emoji codes:
+# user text such as a workload "a:b:c" must print as written, not with ":b:" turned into a symbol.
+console = Console(highlight=False, soft_wrap=True, emoji=False, width=None if _probe.is_terminal else 140)
+
+
+def mark(ok: bool | None) -> str:
+    """A coloured PASS/FAIL (or n/a) for tables."""
+    if ok is None:
+        return "[dim]n/a[/dim]"
+    return "[green]PASS[/green]" if ok else "[red]FAIL[/red]"
+
+
+def yes_no(value: bool | None) -> str:
+    """A coloured yes/no (or n/a) for comparisons that are facts, not checks."""
+    if value is None:
+        return "[dim]n/a[/dim]"
+    return "[green]yes[/green]" if value else "[yellow]no[/yellow]"
+
+
+def rich_table(title: str, table: tuple[list[str], list[list[str]]]) -> Table:
+    headers, rows = table
+    out = Table(title=title)
+    for i, h in enumerate(headers):
+        out.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        out.add_row(*row)
+    return out
+
+
+# -- argument types and shared options ------------------------------------------------------------
+
+_PLAN = re.compile(r"\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+))?\s*")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type`` for integers ``>= low``: refused at parse time, naming the value."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def parse_plan(text: str, dp: int | None = None) -> BatchPlan:
+    """``MICROxACCUM`` or ``MICROxDPxACCUM`` into a plan.
+
+    With ``dp`` given (a run's data-parallel size), ``MICROxACCUM`` runs on ``dp`` replicas and a
+    ``MICROxDPxACCUM`` must name that same ``dp``; without it, ``MICROxACCUM`` means one replica.
+    """
+    match = _PLAN.fullmatch(text)
+    if not match:
+        raise PlanError(
+            f"a plan is written MICROxACCUM (e.g. 4x8) or MICROxDPxACCUM (e.g. 4x8x8), got {text!r}"
+        )
+    a, b, c = match.groups()
+    if c is None:
+        return BatchPlan(micro_batch=int(a), accum_steps=int(b), dp=1 if dp is None else dp)
+    if dp is not None and int(b) != dp:
+        raise PlanError(f"configuration {text} names dp={b} but the run has dp={dp}; pass --dp {b}")
+    return BatchPlan(micro_batch=int(a), dp=int(b), accum_steps=int(c))
+
+
+def parse_size(text: str) -> int:
+    """``2GiB``, ``512MiB``, ``1.5GB`` or plain bytes, into bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise BenchError(
+            f"a memory size is a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB), got {text!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def add_workload_option(p: argparse.ArgumentParser) -> None:
+    """``--workload MODULE:FUNCTION``, defaulting to the bundled tiny GPT."""
+    p.add_argument(
+        "--workload",
+        default=DEFAULT_WORKLOAD,
+        metavar="MODULE:FUNCTION",
+        help=f"function returning a gradaccum.Workload (default {DEFAULT_WORKLOAD})",
+    )
+
+
+def add_measure_options(p: argparse.ArgumentParser, *, steps: int) -> None:
+    """The options of ``bench`` and ``accept``: the workload, dp, how to measure, where to write."""
+    add_workload_option(p)
+    p.add_argument(
+        "--dp", type=int, default=None, help="data-parallel replicas (default: torchrun's world, else 1)"
+    )
+    p.add_argument("--runs", type=int, default=3, help="runs per configuration, interleaved (default 3)")
+    p.add_argument("--steps", type=int, default=steps, help=f"measured updates per run (default {steps})")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured updates per run (default 3)")
+    p.add_argument("--precision", choices=PRECISIONS, default="float32", help="production precision")
+    p.add_argument("--no-defer-sync", dest="defer_sync", action="store_false", help="sync every micro-batch")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda (default auto)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default 1 on CPU, torch's on CUDA)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size in MiB (default DDP's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (default 600)")
+    p.add_argument("--out-dir", type=Path, default=Path("runs"), help="where run folders go (default runs/)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def default_threads(requested: int | None, device: str) -> int | None:
+    """One torch thread per CPU worker unless asked otherwise.
+
+    Intra-op threads that wait on each other stall whenever another process holds a core: on a
+    shared 2-core machine a 2-thread run of the tiny GPT spread over 10x between runs, a 1-thread
+    run over 6-28%. A verdict with a 3% margin needs the second. ``--threads N`` measures more.
+    """
+    if requested is not None or device != "cpu":
+        return requested
+    return 1
+
+
+def measure_settings(args: argparse.Namespace, device: str) -> MeasureSettings:
+    """The settings :func:`add_measure_options` parsed; ``device`` already resolved from ``auto``."""
+    from gradaccum.bench.spec import MeasureSettings
+
+    return MeasureSettings(
+        runs=args.runs,
+        steps=args.steps,
+        warmup=args.warmup,
+        precision=args.precision,
+        defer_sync=args.defer_sync,
+        device=device,
+        threads=default_threads(args.threads, device),
+        bucket_cap_mb=args.bucket_cap_mb,
+        seed=args.seed,
+    )
+
+
+# -- launching measurements ----------------------------------------------------------------------
+
+
+def resolve_device(name: str, dp: int) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; refuses what cannot run."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", name):
+        raise BenchError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchError(f"--device {name} was asked for but torch sees no CUDA device; use --device cpu")
+    if name.startswith("cuda:") and dp > 1:
+        raise BenchError(
+            f"--device {name} names one GPU but dp={dp} ranks each need their own; use --device cuda "
+            "(rank r runs on cuda:LOCAL_RANK)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Launching:
+    """Where runs go: a local process group per run, or one worker per torchrun rank."""
+
+    launch: Launch
+    dp: int
+    rank: int
+    joined: bool
+
+    @property
+    def leader(self) -> bool:
+        """The rank that prints and writes the run folder."""
+        return self.rank == 0
+
+
+def torchrun_leader() -> bool:
+    """Whether this process prints: rank 0 under torchrun, always otherwise."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def torchrun_world() -> int:
+    """Ranks launched by torchrun (``WORLD_SIZE``), 1 when not launched by it."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_dp(requested: int | None) -> int:
+    world = torchrun_world()
+    if world > 1 and requested is not None and requested != world:
+        raise PlanError(
+            f"--dp {requested} but torchrun launched {world} ranks; under torchrun every rank is a "
+            f"data-parallel replica, so --dp must be {world} (or left out)"
+        )
+    dp = requested if requested is not None else world
+    if dp < 1:
+        raise PlanError(f"--dp must be a positive integer, got {dp}")
+    return dp
+
+
+def make_launching(dp: int, timeout_s: float) -> Launching:
+    """Runs in fresh local worker processes, or under torchrun one worker per launched rank."""
+    from gradaccum.bench.runner import TORCHRUN_VARIABLES, run_isolated, run_joined
+
+    # a worker forms its own process group: it must not inherit a launcher's rendezvous settings
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    if torchrun_world() <= 1:
+        return Launching(lambda spec, r: run_isolated(spec, r, timeout_s=timeout_s, env=env), dp, 0, False)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://")  # for coordination only
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def launch(spec: Any, r: int) -> Any:
+        return run_joined(spec, r, master_addr=master, local_rank=local_rank, timeout_s=timeout_s, env=env)
+
+    return Launching(launch, dp, dist.get_rank(), True)
+
+
+def finish_launching(launching: Launching) -> None:
+    """Tear down the coordination group that :func:`make_launching` set up under torchrun."""
+    if launching.joined:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextmanager
+def progress_bar(enabled: bool) -> Iterator[Callable[[ProgressEvent], None] | None]:
+    """A rich progress bar on stderr (stdout stays clean for --json); ``None`` when disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True, emoji=False, highlight=False)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task("runs", total=None)
+
+        def on_progress(event: ProgressEvent) -> None:
+            label = f"{event.spec.label} run {event.run_index + 1}"
+            if event.record is None:
+                bar.update(task, total=event.total, completed=event.done, description=f"measuring {label}")
+                return
+            bar.update(task, completed=event.done)
+            if not event.record.ok:
+                first = (event.record.error or "").strip().splitlines()
+                # a worker's error text is not markup: "[...]" or ":b:" in it are printed as they are
+                detail = escape(first[0] if first else "")
+                bar.console.print(f"[yellow]{escape(label)}: {event.record.status}[/yellow] {detail}")
+
+        yield on_progress
+
+
+# -- findings ------------------------------------------------------------------------------------
+
+_STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
+
+
+def _join(paths: Sequence[str]) -> str:
+    quoted = [f"`{p}`" for p in paths]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def group_findings(findings: Sequence[Finding]) -> list[tuple[Finding, list[str]]]:
+    """Findings that differ only in the module path, merged (a ResNet has dozens of BatchNorms)."""
+    groups: dict[tuple[str, ...], tuple[Finding, list[str]]] = {}
+    for f in findings:
+        key = (f.code, f.severity, f.kind, f.summary, f.explanation, f.fix)
+        groups.setdefault(key, (f, []))[1].append(f.path)
+    return list(groups.values())
+
+
+def render_findings(findings: Sequence[Finding], *, details: bool = True) -> None:
+    """Print findings, one block per group; ``details=False`` prints the headlines only."""
+    for finding, paths in group_findings(findings):
+        style = _STYLE[finding.severity]
+        many = len(paths) > 1
+        head = f"{finding.kind} at {_join(paths)}: {finding.summary}" if many else finding.headline
+        console.print(f"[{style}]\\[{finding.severity}][/{style}] {finding.code}: {escape(head)}")
+        if details:
+            console.print(f"    {escape(finding.explanation)}")
+            console.print(f"    fix: {escape(finding.fix)}")

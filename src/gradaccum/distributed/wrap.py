@@ -1,0 +1,54 @@
+"""Wrapping a model for data parallelism, the one way bench and train both do it.
+
+Several processes: DDP by default, or FSDP2 ``fully_shard`` applied to each block of every
+``nn.ModuleList`` (the transformer layers, so that each block's parameters are gathered on their
+own) and then to the root. One process: the model as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradaccum.distributed import dist
+from gradaccum.errors import SyncError
+
+__all__ = ["repeated_blocks", "wrap_model"]
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The members of every ``nn.ModuleList`` in ``model``: the blocks a transformer repeats."""
+    return [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+
+
+def wrap_model(
+    model: nn.Module, device: torch.device, *, fsdp: bool = False, bucket_cap_mb: float | None = None
+) -> nn.Module:
+    """``model`` (already on ``device``) wrapped for the initialized process group, if any.
+
+    ``fsdp``: shard with FSDP2 instead of replicating with DDP (needs a process group, of one rank
+    or more). ``bucket_cap_mb``: DDP's gradient bucket size (``None``: DDP's default, 25 MiB).
+    """
+    if fsdp:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise SyncError(
+                "FSDP2 sharding needs a process group: launch with torchrun (one process or more)"
+            )
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dist.world_size(),))
+        for block in repeated_blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if not dist.is_distributed():
+        return model
+    ids = [device.index] if device.type == "cuda" else None
+    if bucket_cap_mb is None:
+        return DistributedDataParallel(model, device_ids=ids)
+    return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
