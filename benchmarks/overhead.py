@@ -1,15 +1,23 @@
-"""Overhead of Accumulator.step against a minimal hand-written exact loop.
+"""Overhead of ``Accumulator.step`` against a minimal hand-written exact loop, and of the peers' loops.
 
-One process, CPU, the bundled tiny GPT, k=4 micro-batches per step, at two sizes (2 sequences x 24
-tokens and 8 x 64). Rounds interleave the two implementations so that drift in machine load hits
-both alike; each prints the median step time and the ratio. Target: <= 1.02x at both sizes.
+One process, CPU, the bundled tiny GPT (AdamW), at three sizes: k=4 micro-batches of 2 sequences x
+24 tokens, k=4 of 8 x 64, and k=64 micro-batches of one 24-token sequence (the per-micro-batch cost
+of the loop must not grow with k). Each round times every implementation once, back to back, in an
+order that rotates from round to round, and takes each one's ratio to the hand loop of the *same*
+round (a paired ratio: a load spike hits both sides of a pair alike). A run's figure is the median
+paired ratio over its rounds; the table shows the median over runs and their spread (min..max).
+Target: ``Accumulator`` <= 1.02x at every size with the non-finite check on.
 
-    .venv/bin/python benchmarks/overhead.py [--rounds 30] [--threads 1]
+Where accelerate and lightning are installed, ``Accelerator.accumulate()`` (its documented loop,
+mean loss / k) and Fabric's ``no_backward_sync`` loop are timed in the same rounds.
+
+    .venv/bin/python benchmarks/overhead.py [--runs 5] [--rounds 30] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -20,10 +28,15 @@ import torch
 from gradaccum import Accumulator, split
 from gradaccum.examples import build_tiny_gpt, gpt_loss
 from gradaccum.examples.gpt import sample_sequences
-from gradaccum.loss import count_tokens
+from gradaccum.loss import count_tokens, summed_cross_entropy
 
-K = 4
 count = count_tokens("labels")
+SIZES = ((4, 2, 24), (4, 8, 64), (64, 1, 24))
+"""(k micro-batches, sequences per micro-batch, tokens per sequence)."""
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def hand_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, window: list[Any]) -> None:
@@ -35,46 +48,107 @@ def hand_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, window: list[A
     opt.step()
 
 
-def measure(micro: int, seq_len: int, rounds: int) -> dict[str, float]:
-    """Median step time (s) of each implementation, rounds interleaved in alternating order."""
-    batch = sample_sequences(micro * K, seed=0, max_len=seq_len, min_len=seq_len // 2)
-    window = split(batch, micro_batch=micro)
+def _mean_loss(model: torch.nn.Module, mb: Any) -> torch.Tensor:
+    logits = model(mb["input_ids"])
+    return summed_cross_entropy(logits, mb["labels"]) / count(mb)
+
+
+def _peers(window: list[Any]) -> dict[str, Callable[[], object]]:
+    """Accelerate's and Fabric's documented accumulation loops, where they are installed."""
     runners: dict[str, Callable[[], object]] = {}
-    for name, kwargs in (("default", {}), ("no_check", {"skip_nonfinite": False})):
+    k = len(window)
+    with contextlib.suppress(ImportError):
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(gradient_accumulation_steps=k, cpu=True)
         model = build_tiny_gpt(0)
-        acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3), **kwargs)
-        runners[name] = lambda acc=acc: acc.step(window, gpt_loss, count)
+        model, opt = accelerator.prepare(model, _optimizer(model))
+
+        def accelerate_loop() -> None:
+            for mb in window:
+                with accelerator.accumulate(model):
+                    accelerator.backward(_mean_loss(model, mb))
+                    opt.step()
+                    opt.zero_grad()
+
+        runners["accelerate"] = accelerate_loop
+    with contextlib.suppress(ImportError):
+        from lightning.fabric import Fabric
+
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model = build_tiny_gpt(0)
+        fmodel, fopt = fabric.setup(model, _optimizer(model))
+
+        def fabric_loop() -> None:
+            for i, mb in enumerate(window):
+                last = i == k - 1
+                with fabric.no_backward_sync(fmodel, enabled=not last):
+                    fabric.backward(_mean_loss(fmodel, mb) / k)
+            fopt.step()
+            fopt.zero_grad()
+
+        runners["fabric"] = fabric_loop
+    return runners
+
+
+def _runners(window: list[Any]) -> dict[str, Callable[[], object]]:
+    runners: dict[str, Callable[[], object]] = {}
     hand_model = build_tiny_gpt(0)
-    hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=1e-3)
+    hand_opt = _optimizer(hand_model)
     runners["hand"] = lambda: hand_loop(hand_model, hand_opt, window)
-    times: dict[str, list[float]] = {name: [] for name in runners}
+    copy_model = build_tiny_gpt(0)
+    copy_opt = _optimizer(copy_model)
+    runners["hand copy"] = lambda: hand_loop(copy_model, copy_opt, window)  # the noise floor
+    for name, kwargs in (("gradaccum", {}), ("no check", {"skip_nonfinite": False})):
+        model = build_tiny_gpt(0)
+        acc = Accumulator(model, _optimizer(model), **kwargs)
+        runners[name] = lambda acc=acc: acc.step(window, gpt_loss, count)
+    runners.update(_peers(window))
+    return runners
+
+
+def one_run(window: list[Any], rounds: int) -> dict[str, float]:
+    """Median over rounds of each implementation's time divided by the same round's hand loop."""
+    runners = _runners(window)
     names = list(runners)
+    ratios: dict[str, list[float]] = {name: [] for name in names if name != "hand"}
     for r in range(rounds + 3):  # the first 3 rounds warm up allocators and caches
-        for name in names if r % 2 == 0 else names[::-1]:
+        order = names[r % len(names) :] + names[: r % len(names)]
+        took: dict[str, float] = {}
+        for name in order:
             start = time.perf_counter()
             runners[name]()
-            if r >= 3:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            took[name] = time.perf_counter() - start
+        if r >= 3:
+            for name in ratios:
+                ratios[name].append(took[name] / took["hand"])
+    return {name: statistics.median(values) for name, values in ratios.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), k={K}, {args.rounds} interleaved rounds")
-    print("default = Accumulator as shipped; no_check = skip_nonfinite=False (no gradient-norm check)")
-    header = ("micro-batch", "hand ms", "default ms", "ratio", "no_check ms", "ratio")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (14, 9, 11, 7, 12, 7), strict=True)))
-    for micro, seq_len in ((2, 24), (8, 64)):
-        t = measure(micro, seq_len, args.rounds)
-        hand = t["hand"]
-        print(
-            f"{f'{micro}x{seq_len} tokens':>14} {hand * 1e3:9.2f} {t['default'] * 1e3:11.2f} "
-            f"{t['default'] / hand:6.3f}x {t['no_check'] * 1e3:12.2f} {t['no_check'] / hand:6.3f}x"
-        )
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), {args.runs} runs of {args.rounds} "
+        "rounds; paired ratio to the hand-written exact loop, median over runs (min..max)"
+    )
+    print(
+        "gradaccum = Accumulator as shipped (non-finite check on); no check = skip_nonfinite=False; "
+        "hand copy = a second hand loop (what an A/A pair measures)"
+    )
+    for k, micro, seq_len in SIZES:
+        batch = sample_sequences(micro * k, seed=0, max_len=seq_len, min_len=seq_len // 2)
+        window = split(batch, micro_batch=micro)
+        runs = [one_run(window, args.rounds) for _ in range(args.runs)]
+        cells = []
+        for name in runs[0]:
+            values = sorted(r[name] for r in runs)
+            cells.append(f"{name} {statistics.median(values):.3f}x ({values[0]:.3f}..{values[-1]:.3f})")
+        print(f"k={k:>2} x {micro}x{seq_len} tokens: " + "   ".join(cells))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -132,3 +134,29 @@ def test_plain_model_in_a_multi_rank_group_is_refused() -> None:
 def _build_plain_accumulator(rank: int, world: int) -> None:
     model = models.mlp()
     Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"max_grad_norm": 1.0}, {"track_grad_norm": True}],
+    ids=["fused check", "clipping norm", "tracked norm"],
+)
+def test_a_non_finite_gradient_under_a_finite_loss_skips(settings: dict[str, object], bad: float) -> None:
+    """A gradient hook poisons one element of one parameter's gradient; the loss stays finite. Every
+    way the step takes finiteness (a fused check by default, the norm when clipping or reporting)
+    must catch it."""
+    acc, model = _acc(**settings)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[3] = bad
+        return grad
+
+    model[2].weight.register_hook(poison)
+    result = acc.step(_window(), models.mlp_loss, models.count_rows)
+    assert result.skipped and "non-finite loss or gradient" in (result.skip_reason or "")
+    assert result.loss is not None and math.isfinite(result.loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())

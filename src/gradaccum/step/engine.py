@@ -64,7 +64,7 @@ from gradaccum.step.agreement import (
 )
 from gradaccum.step.checks import as_count, check_window_shapes
 from gradaccum.step.config import AccumConfig, StepResult
-from gradaccum.step.norms import clip_grads_, grad_norm
+from gradaccum.step.norms import clip_grads_, nonfinite_flag, total_norm, uniform_plain
 from gradaccum.values import require_int
 
 __all__ = [
@@ -113,7 +113,8 @@ class WindowCount:
 
     def scale(self) -> torch.Tensor:
         """W / N (N at least 1): what each micro-batch's summed loss is multiplied by."""
-        return self.world / self.global_count.clamp(min=1)
+        inverse = torch.reciprocal(self.global_count.clamp(min=1))
+        return inverse if self.world == 1 else inverse.mul_(self.world)
 
 
 class Contribution(NamedTuple):
@@ -193,6 +194,7 @@ class WindowEngine:
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._reduced_params = trainable if needs_every_parameter(model) else []
         self._params = list(model.parameters())
+        self._uniform = uniform_plain(self._params)  # a gradient has its parameter's device and dtype
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._params_outside_optimizer = [p for p in self._params if id(p) not in in_optimizer]
         self.device = self._params[0].device if self._params else torch.device("cpu")
@@ -386,8 +388,8 @@ class WindowEngine:
             loss = torch.tensor(reduced[0], dtype=torch.float64, device=self.device)
             rejected = torch.tensor(reduced[1], dtype=torch.float64, device=self.device)
             return Accumulated(loss, rejected, True, len(micro_batches))
-        loss = torch.stack(losses).to(torch.float64).sum() if losses else self._zero
-        rejected = torch.stack(rejections).to(torch.float64).sum() if rejections else self._zero
+        loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self._zero
+        rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self._zero
         return Accumulated(loss, rejected, False, len(micro_batches))
 
     def conclude(
@@ -407,13 +409,22 @@ class WindowEngine:
         self.emit("optimizer_start", 0)
         config = self.config
         params = [p for p in self._params if p.grad is not None]
-        norm = self._grad_norm(params) if (config.skip_nonfinite or config.wants_norm) else None
+        grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        # finiteness comes from the norm when clipping or the report needs it anyway, else from a
+        # fused check that costs a third of it (replicated gradients only: a shard's check is local)
+        nonfinite = None
+        if config.skip_nonfinite and not config.wants_norm and self.kind in ("local", "ddp"):
+            nonfinite = nonfinite_flag(grads, uniform=self._uniform)
+        norm = None
+        if config.wants_norm or (config.skip_nonfinite and nonfinite is None):
+            norm = self._grad_norm(grads)
         zero = self._zero
+        gradient = norm if norm is not None else nonfinite
         summary = torch.stack(
             [
                 accumulated.loss if objective is None else objective.detach().to(torch.float64),
                 accumulated.rejected,
-                zero if norm is None else norm.detach().to(torch.float64),
+                zero if gradient is None else gradient.detach().to(torch.float64),
                 counted.global_count,
                 counted.local_count,
                 zero if counted.min_count is None else counted.min_count,
@@ -440,15 +451,17 @@ class WindowEngine:
         mean_loss = loss_value if objective is not None else (loss_value / n_global if n_global else None)
         if n_global == 0:
             return self.skip(local_n, 0, k, None, ZERO_COUNT)
-        if config.skip_nonfinite and not (math.isfinite(loss_value) and math.isfinite(norm_host)):
+        gradient_ok = math.isfinite(norm_host) and (norm is not None or norm_host == 0)
+        if config.skip_nonfinite and not (math.isfinite(loss_value) and gradient_ok):
             back_off_scaler(self.scaler, self.optimizer, params)
-            reason = f"non-finite loss or gradient (loss {loss_value}, gradient norm {norm_host})"
+            what = f"gradient norm {norm_host}" if norm is not None else "a gradient holds NaN or inf"
+            reason = f"non-finite loss or gradient (loss {loss_value}, {what})"
             return self.skip(local_n, n_global, k, mean_loss, reason)
 
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
             if config.wants_norm:
-                norm = self._grad_norm(params)
+                norm = self._grad_norm(grads)
                 norm_host = float(norm.item()) if norm is not None else math.nan
         if config.max_grad_norm is not None and norm is not None:
             clip_grads_(params, config.max_grad_norm, norm)
@@ -530,17 +543,17 @@ class WindowEngine:
         raise_alone(failure, recoverable=not self._distributed)
 
     def _tally(self, losses: list[torch.Tensor], rejections: list[torch.Tensor]) -> torch.Tensor:
-        loss = torch.stack(losses).to(torch.float64).sum() if losses else self._zero
-        rejected = torch.stack(rejections).to(torch.float64).sum() if rejections else self._zero
+        loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self._zero
+        rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self._zero
         return torch.stack([loss, rejected])
 
-    def _grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """The global gradient norm: what every rank's clipping and skip decision must see."""
         if self.kind == "fsdp":
             # FSDP1 shards flat gradients; its own method reduces the norm across ranks. With an
             # infinite max_norm it multiplies by exactly 1 (the clip coefficient is clamped to 1).
             return self.model.clip_grad_norm_(float("inf"))  # type: ignore[operator]
-        return grad_norm(params)
+        return total_norm(grads, uniform=self._uniform) if grads else None
 
     def _agree(
         self, failure: LocalFailure | None, index: int, piece: Contribution | None, tally: torch.Tensor
