@@ -41,6 +41,7 @@ from gradaccum.step.accumulator import _UNSET, resolve_config
 from gradaccum.step.agreement import LocalFailure
 from gradaccum.step.config import AccumConfig, LossReduction, StepResult
 from gradaccum.step.engine import ZERO_COUNT, Contribute, Contribution, CountFn, Observer, WindowEngine
+from gradaccum.step.face import EngineFace
 
 __all__ = ["DEFAULT_REPLAY_RTOL", "CachedAccumulator", "EncodeFn", "RepLossFn"]
 
@@ -53,7 +54,7 @@ one tensor per tower), each concatenated along dim 0 in window order, all ranks'
 DEFAULT_REPLAY_RTOL = 1e-2
 
 
-class CachedAccumulator:
+class CachedAccumulator(EngineFace):
     """One exact optimizer step for an objective over the whole window's representations.
 
     >>> acc = CachedAccumulator(model, optimizer, max_grad_norm=None)
@@ -133,37 +134,6 @@ class CachedAccumulator:
         self._cuda_devices = sorted(
             {p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"}
         )
-
-    @property
-    def config(self) -> AccumConfig:
-        return self._engine.config
-
-    @property
-    def model(self) -> nn.Module:
-        return self._engine.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._engine.optimizer
-
-    @property
-    def steps_applied(self) -> int:
-        return self._engine.steps_applied
-
-    @property
-    def steps_skipped(self) -> int:
-        return self._engine.steps_skipped
-
-    @property
-    def consecutive_skips(self) -> int:
-        return self._engine.consecutive_skips
-
-    def state_dict(self) -> dict[str, int]:
-        """The counters (applied, skipped, consecutive skips), as :meth:`Accumulator.state_dict`."""
-        return self._engine.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._engine.load_state_dict(state)
 
     def step(
         self,

@@ -17,6 +17,7 @@ from gradaccum.errors import ConfigError
 from gradaccum.step.checks import check_loss, unmean
 from gradaccum.step.config import AccumConfig, LossReduction, StepResult
 from gradaccum.step.engine import ZERO_COUNT, Contribution, CountFn, Observer, WindowCount, WindowEngine
+from gradaccum.step.face import EngineFace
 
 __all__ = ["ZERO_COUNT", "AccumConfig", "Accumulator", "CountFn", "LossFn", "StepResult", "WindowCount"]
 
@@ -27,7 +28,7 @@ _UNSET: Any = object()
 """A keyword the caller did not pass (so ``config=`` and explicit keywords can be told apart)."""
 
 
-class Accumulator:
+class Accumulator(EngineFace):
     """Runs one exact optimizer step over a window of micro-batches.
 
     >>> acc = Accumulator(model, optimizer, scheduler=None, max_grad_norm=1.0)
@@ -136,68 +137,6 @@ class Accumulator:
 
         accumulated = engine.accumulate(micro_batches, contribute)
         return engine.conclude(counted, accumulated)
-
-    # -- state ----------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, int]:
-        """The counters (applied, skipped, consecutive skips): what a resumed run must continue."""
-        return self._engine.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue counting from :meth:`state_dict`'s values (a checkpoint's)."""
-        self._engine.load_state_dict(state)
-
-    # the engine's objects and counters, read-only here (settings live in the frozen config)
-    @property
-    def config(self) -> AccumConfig:
-        return self._engine.config
-
-    @property
-    def model(self) -> nn.Module:
-        return self._engine.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._engine.optimizer
-
-    @property
-    def scheduler(self) -> Any:
-        return self._engine.scheduler
-
-    @property
-    def scaler(self) -> Any:
-        return self._engine.scaler
-
-    @property
-    def dp_group(self) -> Any:
-        return self._engine.dp_group
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model's parameters, and the step's counts and flags, live."""
-        return self._engine.device
-
-    @property
-    def kind(self) -> str:
-        """How the model's gradients are synchronized: ``local``, ``ddp``, ``fsdp`` or ``fsdp2``."""
-        return self._engine.kind
-
-    @property
-    def on_step(self) -> list[Callable[[StepResult], None]]:
-        """Hooks called with each applied step's result (append to add one)."""
-        return self._engine.on_step
-
-    @property
-    def steps_applied(self) -> int:
-        return self._engine.steps_applied
-
-    @property
-    def steps_skipped(self) -> int:
-        return self._engine.steps_skipped
-
-    @property
-    def consecutive_skips(self) -> int:
-        return self._engine.consecutive_skips
 
 
 def resolve_config(config: AccumConfig | None, keywords: dict[str, Any]) -> AccumConfig:

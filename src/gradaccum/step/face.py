@@ -1,0 +1,83 @@
+"""What every accumulator shows of the engine it composes: its objects, settings and counters.
+
+A read-only face over :class:`~gradaccum.step.engine.WindowEngine`: the accumulators inherit these
+public properties (and ``state_dict``), never the engine's phases, which they call on ``_engine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gradaccum.step.config import AccumConfig, StepResult
+from gradaccum.step.engine import WindowEngine
+
+__all__ = ["EngineFace"]
+
+
+class EngineFace:
+    """The public, read-only attributes of an accumulator (settings live in the frozen config)."""
+
+    _engine: WindowEngine
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters (applied, skipped, consecutive skips): what a resumed run must continue."""
+        return self._engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue counting from :meth:`state_dict`'s values (a checkpoint's)."""
+        self._engine.load_state_dict(state)
+
+    @property
+    def config(self) -> AccumConfig:
+        return self._engine.config
+
+    @property
+    def model(self) -> nn.Module:
+        return self._engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._engine.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self._engine.scheduler
+
+    @property
+    def scaler(self) -> Any:
+        return self._engine.scaler
+
+    @property
+    def dp_group(self) -> Any:
+        return self._engine.dp_group
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters, and the step's counts and flags, live."""
+        return self._engine.device
+
+    @property
+    def kind(self) -> str:
+        """How the model's gradients are synchronized: ``local``, ``ddp``, ``fsdp`` or ``fsdp2``."""
+        return self._engine.kind
+
+    @property
+    def on_step(self) -> list[Callable[[StepResult], None]]:
+        """Hooks called with each applied step's result (append to add one)."""
+        return self._engine.on_step
+
+    @property
+    def steps_applied(self) -> int:
+        return self._engine.steps_applied
+
+    @property
+    def steps_skipped(self) -> int:
+        return self._engine.steps_skipped
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self._engine.consecutive_skips
