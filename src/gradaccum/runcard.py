@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+OPTIMIZERS = ("workload", "adamw", "sgd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +48,14 @@ class RunCard:
     accum: AccumConfig = field(default_factory=AccumConfig)
     """The Accumulator settings (clipping, loss reduction, sync deferral, skip policy)."""
     precision: str = "float32"
-    """Production precision: one of ``PRECISIONS``."""
+    """Production precision: one of ``PRECISIONS`` (``float16`` implies a GradScaler)."""
+    optimizer: str = "workload"
+    """What built the optimizer: ``workload`` (the workload's own ``optimizer_factory``, what
+    ``accept`` measures with), or ``adamw``/``sgd`` at ``lr`` and ``weight_decay``."""
+    lr: float | None = None
+    """Peak learning rate for ``adamw``/``sgd`` (``None`` with ``workload``)."""
+    weight_decay: float | None = None
+    """Weight decay for ``adamw``/``sgd`` (``None`` with ``workload``)."""
     denominator: str = "tokens"
     """What the loss is normalized by: the workload's counted unit ("tokens", "examples")."""
     tokens_per_step: int | None = None
@@ -68,6 +76,12 @@ class RunCard:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise RunCardError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise RunCardError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        for name in ("lr", "weight_decay"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise RunCardError(f"run card '{name}' must be a number or null, got {value!r}")
 
     @property
     def global_batch(self) -> int:
@@ -83,6 +97,9 @@ class RunCard:
             "global_batch": self.plan.global_batch,
             "accum": self.accum.to_dict(),
             "precision": self.precision,
+            "optimizer": self.optimizer,
+            "lr": self.lr,
+            "weight_decay": self.weight_decay,
             "denominator": self.denominator,
             "tokens_per_step": self.tokens_per_step,
             "seed": self.seed,
@@ -155,6 +172,9 @@ class RunCard:
             plan=plan,
             accum=accum,
             precision=data["precision"],
+            optimizer=data.get("optimizer", "workload"),
+            lr=data.get("lr"),
+            weight_decay=data.get("weight_decay"),
             denominator=str(data.get("denominator", "tokens")),
             tokens_per_step=tokens,
             seed=data["seed"],
