@@ -101,14 +101,19 @@ def test_loss_fn_returning_a_mean_is_named() -> None:
 
     report = verify(models.gpt, models.gpt_batch(8, seed=3), mean_loss, models.tokens, micro_batch=2)
     assert not report.passed
-    assert report.likely_causes[0].startswith("loss_fn returns a mean, not a sum")
+    assert report.likely_causes[0].startswith("loss_fn returns a mean over the micro-batch, not a sum")
     assert "reduction='sum'" in report.likely_causes[0]
 
 
 def test_count_fn_that_does_not_add_up_is_named() -> None:
     report = verify(models.gpt, models.gpt_batch(8, seed=3), models.gpt_loss, lambda mb: 100, micro_batch=2)
     assert not report.passed
-    assert report.likely_causes[0].startswith("count_fn is not additive: the whole batch counts 100 units")
+    # the audit names it first (per micro-batch), the additivity probe next (over the window)
+    assert report.likely_causes[0].startswith("the denominator is wrong (micro-batch 0): count_fn counts 100")
+    assert any(
+        c.startswith("count_fn is not additive: the whole batch counts 100 units")
+        for c in report.likely_causes
+    )
 
 
 def _mlp_with(*middle: nn.Module) -> nn.Module:
@@ -131,7 +136,7 @@ def test_dropout_is_switched_off_and_batchnorm_keeps_its_training_mode() -> None
     # dropout alone: switched off, so the two partitionings compute the same function
     dropout = verify(lambda: _mlp_with(nn.Dropout(0.5)), data, _mlp_loss, count_examples, micro_batch=2)
     assert dropout.passed and dropout.grad_max_rel_err < EXACT
-    assert dropout.disabled == ("1",)
+    assert dropout.disabled == ("1.p=0.5",)
     assert [f.code for f in dropout.findings] == ["random-layer", "verify"]
 
     # with BatchNorm too: it must stay in training mode (in eval mode at initialization it is the

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gradaccum.check.audit import CountAudit, summarize_audits
 from gradaccum.check.tolerances import Tolerance
 from gradaccum.errors import EquivalenceError
 from gradaccum.hazards.scanner import Finding
@@ -57,7 +58,10 @@ class EquivalenceReport:
     findings: tuple[Finding, ...] = ()
     """The scan of the model for this partition, the declared hazards included."""
     disabled: tuple[str, ...] = ()
-    """Paths of the random layers switched off for the diagnostic."""
+    """The random sources switched off for the diagnostic (``h.0.attn.attn_dropout.p=0.1``), the
+    same ones the scan reports; restored when the check returns."""
+    audit: tuple[CountAudit, ...] = ()
+    """The denominator audit of each micro-batch (empty when ``audit=False``)."""
     candidate: str = "Accumulator.step"
     """What produced the accumulated update."""
     name: str = ""
@@ -71,6 +75,11 @@ class EquivalenceReport:
     @property
     def param_passed(self) -> bool:
         return self.param_max_abs_diff <= self.param_tol.value
+
+    @property
+    def audit_summary(self) -> str:
+        """One line on the denominator: consistent, the first mismatch and its fix, or not audited."""
+        return summarize_audits(self.audit) if self.audit else "not audited: the audit was turned off"
 
     @property
     def global_count(self) -> int:

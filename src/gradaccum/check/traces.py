@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 
 from gradaccum.batch import cast, split, split_sizes
-from gradaccum.check.controls import disable_stochastic
+from gradaccum.check.controls import randomness_off
 from gradaccum.check.report import TraceReport
 from gradaccum.check.tolerances import MAX_TRACE_STEPS, TRACE_TOLERANCES
 from gradaccum.check.workload import Workload
 from gradaccum.errors import PlanError, WorkloadError
 from gradaccum.precision import dtype_name
 from gradaccum.step.accumulator import Accumulator
+from gradaccum.step.config import AccumConfig
 
 __all__ = ["MAX_TRACE_STEPS", "TraceReport", "compare_traces"]
 
@@ -35,7 +37,13 @@ class _Trace:
 
 
 def _run(
-    workload: Workload, sizes: list[int], steps: int, dtype: torch.dtype, where: torch.device, seed: int
+    workload: Workload,
+    sizes: list[int],
+    steps: int,
+    dtype: torch.dtype,
+    where: torch.device,
+    seed: int,
+    accum: AccumConfig,
 ) -> _Trace:
     torch.manual_seed(seed)
     model = workload.build_model()
@@ -45,18 +53,19 @@ def _run(
             "not a torch.nn.Module"
         )
     model = model.to(device=where, dtype=dtype)
-    disable_stochastic(model)
-    acc = Accumulator(model, workload.optimizer_factory(model.parameters()), track_grad_norm=True)
+    optimizer = workload.optimizer_factory(model.parameters())
+    acc = Accumulator(model, optimizer, config=replace(accum, track_grad_norm=True))
     trace = _Trace()
     total = sum(sizes)
-    for step in range(steps):
-        batch = cast(workload.make_batch(total, seed + step), dtype, where)
-        torch.manual_seed(seed + step)  # any randomness left draws the same on both sides
-        result = acc.step(split(batch, sizes=sizes), workload.loss_fn, workload.count_fn)
-        trace.loss.append(math.nan if result.loss is None or not result.applied else result.loss)
-        trace.grad_norm.append(math.nan if result.grad_norm is None else result.grad_norm)
-        if not result.applied:
-            trace.skipped.append(f"step {step} of {sizes}: {result.skip_reason}")
+    with randomness_off(model):
+        for step in range(steps):
+            batch = cast(workload.make_batch(total, seed + step), dtype, where)
+            torch.manual_seed(seed + step)  # any randomness left draws the same on both sides
+            result = acc.step(split(batch, sizes=sizes), workload.loss_fn, workload.count_fn)
+            trace.loss.append(math.nan if result.loss is None or not result.applied else result.loss)
+            trace.grad_norm.append(math.nan if result.grad_norm is None else result.grad_norm)
+            if not result.applied:
+                trace.skipped.append(f"step {step} of {sizes}: {result.skip_reason}")
     return trace
 
 
@@ -81,12 +90,14 @@ def compare_traces(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    accum: AccumConfig | None = None,
 ) -> TraceReport:
     """Run ``steps`` optimizer steps of both partitionings and compare their loss and norm traces.
 
     Both partitions must cut the same number of examples (e.g. ``[8]`` against ``[2, 2, 2, 2]``).
     The model and floating inputs are cast to ``dtype`` (pure low precision: the harsher case;
-    autocast is not applied).
+    autocast is not applied). ``accum``: the accumulator settings both sides run with (the
+    production ones: clipping, skip policy); the gradient norm is always tracked.
     """
     if not isinstance(workload, Workload):
         raise WorkloadError(f"compare_traces needs a gradaccum.Workload, got {type(workload).__name__}")
@@ -108,8 +119,8 @@ def compare_traces(
     where = torch.device(device)
     tol = TRACE_TOLERANCES[dtype]
     with torch.random.fork_rng(devices=[where.index or 0] if where.type == "cuda" else []):
-        a = _run(workload, base, steps, dtype, where, seed)
-        b = _run(workload, cand, steps, dtype, where, seed)
+        a = _run(workload, base, steps, dtype, where, seed, accum or AccumConfig())
+        b = _run(workload, cand, steps, dtype, where, seed, accum or AccumConfig())
     loss_diff = _max_rel_diff(a.loss, b.loss)
     norm_diff = _max_rel_diff(a.grad_norm, b.grad_norm)
     same_skips = [math.isnan(x) for x in a.loss] == [math.isnan(x) for x in b.loss]

@@ -9,8 +9,10 @@ looks for the layers that break that by type and by attribute names:
   optimizer step, so the effective momentum per step is ``1 - (1 - m)^k``.
 - InstanceNorm with running statistics: gradients are exact (statistics are per example), but the
   running estimates still update k times per step.
-- Random layers (dropout of every kind, MultiheadAttention's attention dropout, RReLU, fractional
-  max pooling, drop-path/stochastic depth by class name): masks depend on execution shape.
+- Random layers (dropout of every kind, MultiheadAttention's attention dropout, float attributes
+  named like a drop probability that modules read in training mode, such as ``attention_dropout``
+  or a drop-path rate, RReLU, fractional max pooling): masks depend on execution shape. The same
+  list (:func:`random_sources`) is what ``verify`` switches off.
 - Mixture-of-experts routers, recognised by an auxiliary-loss attribute (``aux_loss``, ``l_aux``,
   ``load_balancing_loss``, ...; see ``AUX_LOSS_NAMES``) or by a class name containing
   router/moe/gate/expert together with an expert count (``num_experts``, ``n_experts``,
@@ -37,11 +39,12 @@ __all__ = [
     "EXPERT_COUNT_NAMES",
     "KNOWN_HAZARDS",
     "Finding",
+    "RandomSource",
     "Severity",
     "effective_momentum",
     "matched_momentum",
+    "random_sources",
     "scan",
-    "stochastic_modules",
 ]
 
 Severity = Literal["error", "warning", "info"]
@@ -66,7 +69,6 @@ AUX_LOSS_NAMES = (
 EXPERT_COUNT_NAMES = ("num_experts", "n_experts", "num_local_experts", "n_routed_experts")
 """Expert-count attributes; they mark a router when the class name says router/moe/gate/expert."""
 _ROUTER_NAME_PARTS = ("router", "moe", "gate", "gating", "expert")
-_DROP_PATH_NAME_PARTS = ("droppath", "stochasticdepth", "dropblock")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,27 +128,77 @@ def _has_any(module: nn.Module, names: Iterable[str]) -> str | None:
     return next((name for name in names if hasattr(module, name)), None)
 
 
-def _is_drop_path(module: nn.Module) -> bool:
-    name = type(module).__name__.lower()
-    if not any(part in name for part in _DROP_PATH_NAME_PARTS):
-        return False
-    rate = next((getattr(module, a) for a in ("drop_prob", "p", "drop_rate") if hasattr(module, a)), None)
-    return not isinstance(rate, (int, float)) or rate > 0
+@dataclass(frozen=True, slots=True)
+class RandomSource:
+    """One place a model draws random numbers in training mode, and how verify switches it off."""
+
+    path: str
+    """The module's path in the model (``h.0.attn.attn_dropout``)."""
+    kind: str
+    """Its class name."""
+    attribute: str | None
+    """The probability attribute the check sets to 0 (``p``, ``dropout``, ``attention_dropout``,
+    ...), ``training`` for a layer that is random only in training mode (RReLU), ``None`` for one
+    that cannot be switched off (fractional max pooling)."""
+    value: float | None = None
+    """The attribute's value (the drop probability)."""
+
+    @property
+    def switchable(self) -> bool:
+        return self.attribute is not None
+
+    def describe(self) -> str:
+        """``h.0.attn.attn_dropout.p=0.1``, ``act (RReLU, training off)`` or, for fractional pooling,
+        ``pool (FractionalMaxPool2d, cannot be switched off)``."""
+        where = self.path or "(the model)"
+        if self.attribute is None:
+            return f"{where} ({self.kind}, cannot be switched off)"
+        if self.attribute == "training":
+            return f"{where} ({self.kind}, training off)"
+        return f"{where}.{self.attribute}={self.value:g}"
 
 
-def stochastic_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(path, module)`` of every recognised layer that draws random numbers in its forward."""
+def _drop_attributes(module: nn.Module) -> Iterator[tuple[str, float]]:
+    """Float attributes of ``module`` named like a drop probability and in (0, 1]: what modules read
+    in training mode instead of calling a Dropout layer (``self.attention_dropout`` handed to
+    scaled_dot_product_attention, a drop-path rate)."""
+    for name, value in vars(module).items():
+        if "drop" in name.lower() and isinstance(value, float) and 0.0 < value <= 1.0:
+            yield name, value
+
+
+def random_sources(model: nn.Module) -> list[RandomSource]:
+    """Every recognised source of random numbers of ``model`` as it is now (its training flags).
+
+    Dropout layers of every kind with ``p > 0`` (their ``p``, which some attention modules read
+    directly: GPT-2's ``self.attn_dropout.p if self.training``), MultiheadAttention's ``dropout``,
+    float attributes named like a drop probability (``attention_dropout``, ``drop_prob``), RReLU,
+    and fractional max pooling (random in eval mode too, and not switchable). The scan reports these,
+    and ``verify`` switches exactly these off: the two always agree.
+    """
+    sources: list[RandomSource] = []
     for path, module in model.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)):
+            sources.append(RandomSource(path=path, kind=kind, attribute=None))
+            continue
+        if not module.training:
+            continue
         if isinstance(module, _DROPOUT):
             if module.p > 0:
-                yield path, module
-        elif isinstance(module, nn.MultiheadAttention):
-            if module.dropout > 0:
-                yield path, module
-        elif isinstance(module, (nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)) or _is_drop_path(
-            module
-        ):
-            yield path, module
+                sources.append(RandomSource(path=path, kind=kind, attribute="p", value=float(module.p)))
+            continue
+        if isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+            sources.append(
+                RandomSource(path=path, kind=kind, attribute="dropout", value=float(module.dropout))
+            )
+            continue
+        if isinstance(module, nn.RReLU):
+            sources.append(RandomSource(path=path, kind=kind, attribute="training"))
+            continue
+        for name, value in _drop_attributes(module):
+            sources.append(RandomSource(path=path, kind=kind, attribute=name, value=value))
+    return sources
 
 
 def _batch_shape(accum_steps: int, micro_batch: int | None) -> tuple[str, str]:
@@ -242,14 +294,18 @@ def _norm_finding(path: str, module: nn.Module, k: int, micro_batch: int | None)
     )
 
 
-def _random_finding(path: str, module: nn.Module) -> Finding:
-    kind = type(module).__name__
-    switchable = not isinstance(module, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d))
+def _random_finding(sources: list[RandomSource]) -> Finding:
+    first = sources[0]
+    if first.switchable:
+        switched = ", ".join(s.describe() for s in sources)
+        how = f"verify switches it off for its diagnostic ({switched} -> 0, restored afterwards). "
+    else:
+        how = "It cannot be switched off (it draws in eval mode too); verify reports it as randomness. "
     return Finding(
         code="random-layer",
         severity="warning",
-        path=path,
-        kind=kind,
+        path=first.path,
+        kind=first.kind,
         summary="draws random numbers in its forward",
         explanation=(
             "Its masks come from the global generator in execution order: splitting the batch changes "
@@ -257,11 +313,9 @@ def _random_finding(path: str, module: nn.Module) -> Finding:
             "different masks even with the same seed. The objective matches in expectation, not update "
             "for update."
         ),
-        fix=(
-            ("verify switches it off for its diagnostic (eval mode, or p=0). " if switchable else "")
-            + "To compare trajectories, derive each example's mask from a generator seeded by the "
-            "example's index, or accept the difference and compare several seeds."
-        ),
+        fix=how + "To compare trajectories, derive each example's mask from a generator seeded by the "
+        "example's index, or accept the difference and compare several seeds.",
+        figures={"drop_probability": first.value} if first.value is not None else {},
     )
 
 
@@ -416,16 +470,17 @@ def scan(
             )
         )
     else:
-        random = {id(m) for _, m in stochastic_modules(model)}
+        random: dict[str, list[RandomSource]] = {}
+        for source in random_sources(model):
+            random.setdefault(source.path, []).append(source)
         routers: list[str] = []
         for path, module in model.named_modules():
             if isinstance(module, (_BATCH_NORM, _INSTANCE_NORM)):
                 norm = _norm_finding(path, module, k, micro_batch)
                 if norm is not None:
                     findings.append(norm)
-            elif id(module) in random:
-                if module.training or isinstance(module, (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)):
-                    findings.append(_random_finding(path, module))
+            elif path in random:
+                findings.append(_random_finding(random[path]))
             elif _is_router(module) and not any(r == "" or path.startswith(r + ".") for r in routers):
                 # the gate inside a recognised MoE block is the same finding
                 routers.append(path)
