@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     # the checks
     "verify": "gradaccum.check.equivalence",
     "verify_workload": "gradaccum.check.equivalence",
+    "audit_count": "gradaccum.check.audit",
     "compare_traces": "gradaccum.check.traces",
     "scan": "gradaccum.hazards.scanner",
     "guard": "gradaccum.hazards.sanitizer",
@@ -82,6 +83,7 @@ __all__ = [
     "Workload",
     "WorkloadError",
     "__version__",
+    "audit_count",
     "compare_traces",
     "count_examples",
     "count_tokens",
@@ -99,6 +101,7 @@ __all__ = [
 if TYPE_CHECKING:
     from gradaccum.batch import split
     from gradaccum.cache.accumulator import CachedAccumulator
+    from gradaccum.check.audit import audit_count
     from gradaccum.check.equivalence import verify, verify_workload
     from gradaccum.check.report import EquivalenceReport, TraceReport
     from gradaccum.check.traces import compare_traces

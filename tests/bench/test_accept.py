@@ -13,11 +13,11 @@ import pytest
 
 from gradaccum.batch import split
 from gradaccum.bench.accept import AcceptResult, AcceptSpec, partition, run_accept
-from gradaccum.bench.measure import measure_safely
+from gradaccum.bench.measure import measure_paired_safely, measure_safely
 from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
-from gradaccum.bench.spec import BenchError, MeasureSettings, MeasureSpec, RunRecord
+from gradaccum.bench.spec import MeasureSettings, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.check.workload import load_workload
-from gradaccum.errors import PlanError, RunCardError
+from gradaccum.errors import BenchError, PlanError, RunCardError
 from gradaccum.plan import BatchPlan, windows
 from gradaccum.runcard import environment, read_runcard
 from gradaccum.step.accumulator import Accumulator
@@ -25,7 +25,9 @@ from gradaccum.step.accumulator import Accumulator
 GPT = "gradaccum.examples:tiny_gpt"
 
 
-def in_process(spec: MeasureSpec, run_index: int) -> RunRecord:
+def in_process(spec: MeasureSpec | PairedSpec, run_index: int) -> RunRecord | PairedRecord:
+    if isinstance(spec, PairedSpec):
+        return measure_paired_safely(load_workload(spec.baseline.workload), spec, run_index=run_index)
     return measure_safely(load_workload(spec.workload), spec, run_index=run_index)
 
 
@@ -59,7 +61,8 @@ def accept_tiny(root: Path, workload: str = GPT) -> tuple[AcceptResult, Path, li
         baseline=plan(4, 2),
         candidate=plan(2, 4),
         trace_steps=2,
-        settings=MeasureSettings(steps=2, warmup=1),
+        settings=MeasureSettings(steps=4, warmup=1, max_grad_norm=1.0),
+        block_updates=1,
     )
     result = run_accept(spec, in_process, workload=load_workload(workload), environment=environment())
     folder = new_run_folder(root, "accept")
@@ -77,18 +80,30 @@ def test_accept_verifies_measures_decides_and_writes_the_run_folder(
 ) -> None:
     result, folder, files = accepted
     names = [c.name for c in result.verdict.criteria]
-    assert len(names) == 6
-    # everything but the machine-dependent throughput gain holds on a correct workload
+    assert len(names) == 7
+    # everything but the machine-dependent throughput criteria holds on a correct workload
     assert all(c.passed for c in result.verdict.criteria[:5]), result.verdict.criteria
     assert result.equivalence_passed
     assert result.baseline.tokens_per_update == result.candidate.tokens_per_update
-    # runs alternate baseline, candidate, baseline, ...
-    assert [r.spec.micro_batch for r in result.records] == [4, 2, 4, 2, 4, 2]
+    # three paired runs of four block pairs each, and one memory run per configuration
+    assert [r.spec.label for r in result.records] == ["4x2 vs 2x4"] * 3
+    assert all(r.ok and len(r.ratios) == 4 for r in result.records)
+    assert [r.spec.micro_batch for r in result.memory_records] == [4, 2]
+    assert result.verdict.interval is not None
     assert sorted(p.name for p in files) == sorted(
         ["results.json", "runcard.json", "report.md", "throughput.png", "memory.png"]
     )
     data = json.loads((folder / "results.json").read_text())
     assert data["verdict"]["decision"] == result.verdict.decision
+    assert len(data["verdict"]["interval"]) == 2
+    for arm in ("baseline", "candidate"):
+        memory = data[arm]["memory"]
+        assert memory["persistent_bytes"] > 0 and memory["activation_bytes"] > 0
+        assert memory["max_allocated_bytes"] is None  # a CPU: no allocator figures
+    # the activation term halves with the micro-batch; the persistent term does not move
+    assert data["baseline"]["memory"]["persistent_bytes"] == data["candidate"]["memory"]["persistent_bytes"]
+    ratio = data["baseline"]["memory"]["activation_bytes"] / data["candidate"]["memory"]["activation_bytes"]
+    assert 1.7 < ratio < 2.1, ratio
     assert data["equivalence"]["details"]["trace"]["steps"] == 2
     assert result.verdict.decision in (folder / "report.md").read_text()
     chosen = result.candidate if result.verdict.adopt else result.baseline
@@ -110,6 +125,9 @@ def test_the_run_card_round_trips_into_a_plan_and_an_accumulator(
     model = workload.build_model()
     acc = Accumulator.from_config(model, workload.optimizer_factory(model.parameters()), card.accum)
     assert acc.config == card.accum and acc.config.defer_sync
+    # what was measured is what train will run: the clipping and skip limit, the workload's optimizer
+    assert card.accum.max_grad_norm == 1.0 and card.accum.max_consecutive_skips == 10
+    assert card.optimizer == "workload" and card.precision == "float32"
     # the card's plan drives a real step: its window holds accum_steps micro-batches of micro_batch
     batch = workload.make_batch(card.plan.local_batch, 1)
     (window,) = windows(split(batch, micro_batch=card.plan.micro_batch), card.plan.accum_steps)

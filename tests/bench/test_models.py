@@ -20,10 +20,11 @@ PER_EXAMPLE = 1024**3  # and 8 GB of activations for 8 examples
 
 def test_the_fit_recovers_known_coefficients_from_exact_measurements() -> None:
     micro = [1, 2, 4, 8]
-    peaks = [PERSISTENT + PER_EXAMPLE * m for m in micro]
-    model = fit_memory_model(micro, peaks, kind="synthetic")
-    assert model.persistent_bytes == pytest.approx(PERSISTENT, rel=1e-9)
+    activations = [PER_EXAMPLE * m for m in micro]
+    model = fit_memory_model(micro, activations, PERSISTENT, kind="synthetic")
+    assert model.persistent_bytes == PERSISTENT  # measured, not fitted
     assert model.per_example_bytes == pytest.approx(PER_EXAMPLE, rel=1e-9)
+    assert model.fixed_bytes == pytest.approx(0.0, abs=1e-9 * PER_EXAMPLE)
     assert model.residual_bytes == pytest.approx(0.0, abs=1e-3 * PER_EXAMPLE)
     assert model.points == 4 and model.kind == "synthetic"
     # the seeds' worked example: 8 examples peak at 20 GB, micro-batches of 2 at 14 GB
@@ -33,32 +34,32 @@ def test_the_fit_recovers_known_coefficients_from_exact_measurements() -> None:
 
 def test_the_fit_recovers_coefficients_through_noise_and_repeats() -> None:
     rng = random.Random(0)
-    noise = 4 * 1024**2  # +-4 MiB of allocator jitter on each measurement
+    noise = 4 * 1024**2  # +-4 MiB of jitter on each measurement
     micro = [1, 2, 4, 8, 16, 32] * 3
-    peaks = [PERSISTENT + PER_EXAMPLE * m + rng.uniform(-noise, noise) for m in micro]
-    model = fit_memory_model(micro, peaks)
+    activations = [PER_EXAMPLE * m + rng.uniform(-noise, noise) for m in micro]
+    model = fit_memory_model(micro, activations, PERSISTENT)
     # 18 points with bounded noise: the slope moves by well under noise / spread(micro)
     assert model.per_example_bytes == pytest.approx(PER_EXAMPLE, abs=noise / 10)
-    assert model.persistent_bytes == pytest.approx(PERSISTENT, abs=noise)
+    assert model.fixed_bytes == pytest.approx(0.0, abs=noise)
     assert 0 < model.residual_bytes < noise
 
 
 def test_largest_micro_batch_that_fits_a_budget() -> None:
-    model = fit_memory_model([1, 8], [PERSISTENT + PER_EXAMPLE, PERSISTENT + 8 * PER_EXAMPLE])
+    model = fit_memory_model([1, 8], [PER_EXAMPLE, 8 * PER_EXAMPLE], PERSISTENT)
     assert model.largest_micro_batch(16 * 1024**3) == 4  # 12 + 4 x 1 GiB = 16 GiB exactly fits
     assert model.largest_micro_batch(16 * 1024**3 - 1) == 3
     assert model.largest_micro_batch(11 * 1024**3) == 0  # not even the persistent part fits
-    flat = fit_memory_model([1, 2, 4], [300.0, 300.0, 300.0])
+    flat = fit_memory_model([1, 2, 4], [300.0, 300.0, 300.0], 100.0)
     assert flat.per_example_bytes == pytest.approx(0.0, abs=1e-9)
     assert flat.largest_micro_batch(400.0) is None  # no growth measured: the model sets no limit
     assert flat.largest_micro_batch(200.0) == 0
 
 
-def test_the_fit_needs_two_distinct_micro_batches() -> None:
-    with pytest.raises(BenchError, match="two or more distinct micro-batches"):
-        fit_memory_model([4, 4, 4], [1.0, 2.0, 3.0])
-    with pytest.raises(BenchError, match="one peak per micro-batch"):
-        fit_memory_model([1, 2], [1.0])
+def test_one_distinct_micro_batch_is_taken_as_proportional_and_mismatched_figures_are_refused() -> None:
+    model = fit_memory_model([4, 4, 4], [400.0, 400.0, 400.0], 10.0)
+    assert (model.per_example_bytes, model.fixed_bytes, model.points) == (100.0, 0.0, 3)
+    with pytest.raises(BenchError, match="one activation figure per micro-batch"):
+        fit_memory_model([1, 2], [1.0], 0.0)
 
 
 def test_comm_model_naive_moves_k_times_the_gradient_and_deferred_once() -> None:

@@ -18,14 +18,15 @@ from gradaccum.plan import BatchPlan
 
 SWEEP_KEYS = [
     "workload", "global_batch", "dp", "plans", "runs", "steps", "warmup", "precision", "defer_sync",
-    "device", "threads", "bucket_cap_mb", "seed", "memory_budget_bytes",
+    "device", "threads", "bucket_cap_mb", "seed", "max_grad_norm", "memory_budget_bytes",
 ]  # fmt: skip
 ACCEPT_KEYS = [
-    "workload", "baseline", "candidate", "margin", "runs", "steps", "warmup", "trace_steps", "precision",
-    "defer_sync", "device", "threads", "bucket_cap_mb", "seed",
+    "workload", "baseline", "candidate", "margin", "block_updates", "blocks", "max_consecutive_skips",
+    "memory_budget_bytes", "runs", "steps", "warmup", "trace_steps", "precision", "defer_sync", "device",
+    "threads", "bucket_cap_mb", "seed", "max_grad_norm",
 ]  # fmt: skip
 SETTINGS = MeasureSettings(
-    runs=4, steps=7, warmup=2, precision="float64", defer_sync=False, threads=2, bucket_cap_mb=5.0, seed=9
+    runs=4, steps=20, warmup=2, precision="float64", defer_sync=False, threads=2, bucket_cap_mb=5.0, seed=9
 )
 
 
@@ -73,7 +74,7 @@ def test_sweep_results_keep_their_flat_spec_record() -> None:
     data = sweep.to_dict()
     assert list(data) == SWEEP_KEYS
     assert data["plans"] == [{"micro_batch": 4, "accum_steps": 2, "dp": 1}]
-    assert (data["runs"], data["steps"], data["precision"], data["seed"]) == (4, 7, "float64", 9)
+    assert (data["runs"], data["steps"], data["precision"], data["seed"]) == (4, 20, "float64", 9)
     assert [s.label for s in sweep.measure_specs()] == ["4x2"]
     assert SweepSpec(workload="m:f", global_batch=4).settings == MeasureSettings()
 

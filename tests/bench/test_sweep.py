@@ -78,7 +78,7 @@ def test_an_explicit_list_must_hold_the_global_batch() -> None:
         SweepSpec(workload="m:f", global_batch=8, settings=MeasureSettings(runs=0))
 
 
-def test_fewer_than_two_micro_batches_leave_no_memory_model() -> None:
+def test_one_micro_batch_gives_a_proportional_memory_model() -> None:
     spec = SweepSpec(
         workload="tests.bench.workloads:tiny_mlp",
         global_batch=4,
@@ -86,4 +86,8 @@ def test_fewer_than_two_micro_batches_leave_no_memory_model() -> None:
         settings=MeasureSettings(runs=1, steps=2, warmup=0),
     )
     result = run_sweep(spec, in_process)
-    assert result.memory_model is None and "two or more" in (result.memory_model_note or "")
+    model = result.memory_model
+    assert model is not None and model.points == 1 and model.fixed_bytes == 0.0
+    (config,) = result.configs
+    assert config.memory is not None
+    assert model.per_example_bytes == config.memory.activation_bytes / 2

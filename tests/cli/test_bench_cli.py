@@ -21,7 +21,7 @@ CONFIG_FIELDS = {
     "tokens_identical_across_runs", "updates", "skipped_updates", "skip_rate", "peak_memory_kind",
     "peak_rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "gradient_bytes",
     "allreduce_calls_per_update", "allreduce_bytes_per_update", "buckets", "per_run_units_per_s",
-    "fresh_process",
+    "fresh_process", "memory",
 }  # fmt: skip
 
 
@@ -61,8 +61,13 @@ def test_bench_sweeps_every_factorization_with_every_figure(
         assert c["peak_allocated_bytes"] is None and c["allreduce_calls_per_update"] is None
         assert c["skipped_updates"] == 0 and c["updates"] == 2
     mm = data["memory_model"]
-    assert mm["points"] == 2 and mm["kind"] == "CPU process peak RSS (fresh process)"
+    assert mm["points"] == 2 and mm["kind"] == "tensors: persistent + bytes saved for backward"
+    # the activation term grows with the micro-batch, the persistent term does not
+    big, small = (c["memory"] for c in configs)
+    assert big["persistent_bytes"] == small["persistent_bytes"] == mm["persistent_bytes"]
+    assert big["activation_bytes"] > small["activation_bytes"] > 0 and mm["per_example_bytes"] > 0
     assert data["memory_budget_bytes"] == 4 * 1024**3
+    assert data["memory_budget_advice"].startswith("micro-batches up to")
     assert len(data["memory_predictions_bytes"]) == 2
     comm = data["comm_model"]
     assert [m["naive_bytes"] // m["gradient_bytes"] for m in comm] == [1, 2]

@@ -1,28 +1,36 @@
-"""The acceptance protocol: verify both partitionings, measure both interleaved, decide, record.
+"""The acceptance protocol: verify both partitionings, measure both side by side, decide, record.
 
-1. the float64 equivalence check of each partitioning against the full batch (``verify``);
-2. the production-precision loss and gradient-norm traces of both, over a declared window;
-3. both configurations measured, interleaved A B A B ..., at least three runs each;
-4. the adoption rule (:func:`gradaccum.bench.verdict.decide`) over those figures;
-5. a run card for the configuration to use: the candidate if adopted, else the baseline.
+1. the float64 equivalence check of each partitioning against the full batch (``verify``, with its
+   denominator audit);
+2. the production-precision loss and gradient-norm traces of both, over a declared window, with
+   the training settings (clipping, skip policy) that change the update;
+3. memory: one short run of each configuration in a fresh process (persistent and activation bytes
+   from the tensors; on CUDA the allocator's peaks; the process's peak RSS);
+4. throughput: at least three paired runs, each a fresh process that holds both configurations and
+   alternates them in short blocks (A B, B A, ...), so that drift lands on both arms of a pair;
+5. the adoption rule (:func:`gradaccum.bench.verdict.decide`): ADOPT, KEEP BASELINE or
+   INCONCLUSIVE, from the paired block ratios and a confidence interval of the gain;
+6. a run card for the configuration to use, with every setting that changes the update, so that
+   ``train --runcard`` trains exactly what was verified and measured.
 
-The checks (1, 2) run in this process with the workload imported here; the measurements (3) go
-through a ``launch`` function, normally a fresh process per run.
+The checks (1, 2) run in this process with the workload imported here; the measurements (3, 4) go
+through a ``launch`` function, normally fresh worker processes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from gradaccum.bench.models import CommModel, comm_model
+from gradaccum.bench.models import CommModel, MemoryModel, comm_model, memory_model_of
 from gradaccum.bench.runner import Launch
-from gradaccum.bench.spec import MeasureSettings, MeasureSpec, RunRecord
+from gradaccum.bench.spec import MeasureSettings, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.bench.stats import ConfigSummary, summarize
-from gradaccum.bench.sweep import ProgressEvent, run_specs
+from gradaccum.bench.sweep import ProgressEvent, run_jobs
 from gradaccum.bench.verdict import (
     DEFAULT_MARGIN,
     MIN_RUNS,
@@ -38,6 +46,7 @@ from gradaccum.plan import BatchPlan
 from gradaccum.precision import dtype_of
 from gradaccum.runcard import RunCard
 from gradaccum.step.config import AccumConfig
+from gradaccum.values import require_int
 
 __all__ = [
     "ACCEPT_SETTINGS",
@@ -50,9 +59,14 @@ __all__ = [
     "run_accept",
 ]
 
-ACCEPT_SETTINGS = MeasureSettings(runs=MIN_RUNS, steps=50)
-"""The measurement settings of an acceptance run unless given: the protocol's minimum of runs, and
-longer runs than a sweep's, since a verdict rests on two configurations only."""
+ACCEPT_SETTINGS = MeasureSettings(runs=MIN_RUNS, steps=50, max_grad_norm=1.0)
+"""The measurement settings of an acceptance run unless given: the protocol's minimum of runs,
+longer runs than a sweep's (a verdict rests on two configurations only), and training's default
+clipping, so that what is measured is what ``train`` will run."""
+DEFAULT_BLOCK_UPDATES = 5
+MIN_BLOCKS = 4
+"""Fewer block pairs per run than this are refused as too short to measure."""
+MEMORY_PROBE_UPDATES = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,8 +84,17 @@ class AcceptSpec:
     trace_steps: int = 8
     """Updates in the production-precision trace comparison (the declared window)."""
     settings: MeasureSettings = ACCEPT_SETTINGS
-    """How both configurations are measured (at least three runs each); its precision, device and
-    seed are also those of the checks and the traces, and its ``defer_sync`` goes in the run card."""
+    """How both configurations are measured (at least three runs each): ``steps`` timed updates
+    of each per run, in blocks of ``block_updates``. Its precision (float16 implies a GradScaler),
+    ``max_grad_norm``, ``defer_sync``, device and seed are also those of the checks and the
+    traces, and go in the run card."""
+    block_updates: int = DEFAULT_BLOCK_UPDATES
+    """Updates per block of a paired run: short enough that drift within a pair is small, long
+    enough that a block's time is well above the clock's and the scheduler's noise."""
+    max_consecutive_skips: int | None = 10
+    """The skip limit training will use (recorded in the run card; it does not change timing)."""
+    memory_budget_bytes: int | None = None
+    """Say which micro-batch fits this budget, or that nothing does (the persistent term)."""
 
     def __post_init__(self) -> None:
         b, c = self.baseline, self.candidate
@@ -103,7 +126,43 @@ class AcceptSpec:
         margin = self.margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
             raise BenchError(f"margin must be a non-negative fraction (0.03 = 3%), got {margin!r}")
+        require_int("block_updates", self.block_updates, error=BenchError)
+        least = MIN_BLOCKS * self.block_updates
+        if self.settings.steps < least:
+            raise BenchError(
+                f"--steps {self.settings.steps} is too short to measure: each run alternates the two "
+                f"configurations in blocks of {self.block_updates} updates, and fewer than {MIN_BLOCKS} "
+                f"block pairs per run give a confidence interval that rests on a handful of ratios; "
+                f"use --steps {least} or more (or a smaller --block-updates)"
+            )
+        _ = self.accum  # a malformed skip limit is refused now
         self.measure_spec(self.baseline)  # a malformed workload is refused now, not after the checks
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of each configuration per paired run."""
+        return self.settings.steps // self.block_updates
+
+    @property
+    def accum(self) -> AccumConfig:
+        """The accumulator settings training will use, as measured and recorded."""
+        return AccumConfig(
+            max_grad_norm=self.settings.max_grad_norm,
+            defer_sync=self.settings.defer_sync,
+            max_consecutive_skips=self.max_consecutive_skips,
+        )
+
+    def paired_spec(self) -> PairedSpec:
+        return PairedSpec(
+            baseline=self.measure_spec(self.baseline),
+            candidate=self.measure_spec(self.candidate),
+            blocks=self.blocks,
+            block_updates=self.block_updates,
+        )
+
+    def memory_spec(self, plan: BatchPlan) -> MeasureSpec:
+        """A short single-configuration run in a fresh process, for its memory figures."""
+        return dataclasses.replace(self.measure_spec(plan), steps=MEMORY_PROBE_UPDATES, warmup=1)
 
     def measure_spec(self, plan: BatchPlan) -> MeasureSpec:
         return self.settings.measure_spec(self.workload, plan)
@@ -115,6 +174,10 @@ class AcceptSpec:
             "baseline": self.baseline.label(),
             "candidate": self.candidate.label(),
             "margin": self.margin,
+            "block_updates": self.block_updates,
+            "blocks": self.blocks,
+            "max_consecutive_skips": self.max_consecutive_skips,
+            "memory_budget_bytes": self.memory_budget_bytes,
         }
         for name, value in self.settings.to_dict().items():
             data[name] = value
@@ -206,6 +269,7 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
         dtype=dtype_of(spec.settings.precision),
         seed=spec.settings.seed,
         device=spec.settings.device,
+        accum=spec.accum,
     )
     details["trace"] = _plain(trace)
     return Equivalence(
@@ -234,15 +298,19 @@ class AcceptResult:
     equivalence: Equivalence
     """Steps 1 and 2."""
     baseline: ConfigSummary
-    """The baseline's runs, summarized."""
+    """The baseline: timing from the paired runs, memory from its own fresh-process run."""
     candidate: ConfigSummary
-    """The candidate's runs, summarized."""
+    """The candidate, likewise."""
     comm: tuple[CommModel | None, CommModel | None]
     """Communication model of baseline and candidate."""
+    memory_model: MemoryModel | None
+    """persistent + activation bytes against the micro-batch, from both configurations."""
     verdict: Verdict
-    """ADOPT or KEEP BASELINE, with every criterion."""
-    records: tuple[RunRecord, ...]
-    """Every run, in the order it ran (interleaved)."""
+    """ADOPT, KEEP BASELINE or INCONCLUSIVE, with every criterion."""
+    records: tuple[PairedRecord, ...]
+    """Every paired run, in the order it ran."""
+    memory_records: tuple[RunRecord, RunRecord]
+    """The baseline's and the candidate's memory runs."""
     card: RunCard
     """The configuration to use (the candidate if adopted), with its environment."""
 
@@ -251,7 +319,18 @@ class AcceptResult:
         """Whether both partitionings and the traces passed: False means broken arithmetic."""
         return all(p.passed for p in self.equivalence.params) and self.equivalence.trace.passed
 
+    @property
+    def budget_advice(self) -> str | None:
+        """With a memory budget: the largest micro-batch that fits, or why nothing can."""
+        budget = self.spec.memory_budget_bytes
+        if budget is None or self.memory_model is None:
+            return None
+        return self.memory_model.advice(
+            budget, global_batch=self.spec.baseline.global_batch, dp=self.spec.baseline.dp
+        )
+
     def to_dict(self) -> dict[str, Any]:
+        mm = self.memory_model
         return {
             "kind": "accept",
             "spec": self.spec.to_dict(),
@@ -264,8 +343,11 @@ class AcceptResult:
             "baseline": self.baseline.to_dict(),
             "candidate": self.candidate.to_dict(),
             "comm_model": [None if c is None else {**asdict(c), "matches": c.matches} for c in self.comm],
+            "memory_model": None if mm is None else asdict(mm),
+            "memory_budget_advice": self.budget_advice,
             "runcard": self.card.to_dict(),
             "runs": [r.to_dict() for r in self.records],
+            "memory_runs": [r.to_dict() for r in self.memory_records],
         }
 
 
@@ -295,13 +377,14 @@ def _comm(summary: ConfigSummary) -> CommModel | None:
 def make_runcard(
     spec: AcceptSpec, verdict: Verdict, chosen: ConfigSummary, environment: dict[str, Any], unit: str
 ) -> RunCard:
-    """The card of the configuration to use, with the verdict and the comparison in ``extra``."""
+    """The card of the configuration to use, with every setting that changes the update."""
     settings = spec.settings
     return RunCard(
         workload=spec.workload,
         plan=chosen.plan,
-        accum=AccumConfig(defer_sync=settings.defer_sync),
+        accum=spec.accum,
         precision=settings.precision,
+        optimizer="workload",
         denominator=unit,
         tokens_per_step=chosen.tokens_per_update[0] if chosen.tokens_per_update else None,
         seed=settings.seed,
@@ -315,11 +398,45 @@ def make_runcard(
             "candidate": spec.candidate.label(),
             "margin": spec.margin,
             "throughput_gain": verdict.throughput_gain,
+            "gain_interval": None if verdict.interval is None else list(verdict.interval),
             "trace_steps": spec.trace_steps,
+            "scaler": "GradScaler" if settings.precision == "float16" else None,
             "tokens_per_step_source": "global valid units of the first measured update "
             f"(make_batch({chosen.plan.global_batch}, seed={settings.seed + 1 + settings.warmup}))",
             "schedule_clock": "optimizer updates (one per window of accum_steps micro-batches)",
         },
+    )
+
+
+def _arm_runs(records: list[PairedRecord], which: str) -> list[RunRecord]:
+    """One arm's side of each paired run, as the single-configuration records the summaries take."""
+    out = []
+    for r in records:
+        spec = r.spec.baseline if which == "baseline" else r.spec.candidate
+        measurement = r.baseline if which == "baseline" else r.candidate
+        out.append(
+            RunRecord(
+                spec=spec, status=r.status, measurement=measurement, error=r.error, run_index=r.run_index
+            )
+        )
+    return out
+
+
+def _with_memory(summary: ConfigSummary, probe: RunRecord) -> ConfigSummary:
+    """The arm's timing with the memory of its own fresh-process run (the paired process holds both
+    configurations, so its allocator peaks and RSS are not one configuration's)."""
+    m = probe.measurement
+    if m is None:
+        return dataclasses.replace(
+            summary, memory=None, peak_rss_bytes=None, peak_allocated_bytes=None, peak_reserved_bytes=None
+        )
+    return dataclasses.replace(
+        summary,
+        memory=m.memory,
+        peak_rss_bytes=float(m.peak_rss_bytes),
+        peak_allocated_bytes=None if m.peak_allocated_bytes is None else float(m.peak_allocated_bytes),
+        peak_reserved_bytes=None if m.peak_reserved_bytes is None else float(m.peak_reserved_bytes),
+        fresh_process=m.fresh_process,
     )
 
 
@@ -340,15 +457,21 @@ def run_accept(
         equivalence = check_equivalence(spec, workload)
     if on_stage is not None:
         on_stage("measure")
-    arms = [spec.measure_spec(spec.baseline), spec.measure_spec(spec.candidate)]
-    records = run_specs(arms, spec.settings.runs, launch, on_progress)
-    # runs alternate A B A B ...; by position, so that an A/A comparison (noise check) works too
-    base, cand = summarize(arms[0], records[0::2]), summarize(arms[1], records[1::2])
+    probes = [spec.memory_spec(spec.baseline), spec.memory_spec(spec.candidate)]
+    paired = spec.paired_spec()
+    jobs: list[tuple[Any, int]] = [(probes[0], 0), (probes[1], 0)]
+    jobs += [(paired, r) for r in range(spec.settings.runs)]
+    done = run_jobs(jobs, launch, on_progress)
+    memory_records: tuple[RunRecord, RunRecord] = (done[0], done[1])
+    records: list[PairedRecord] = list(done[2:])
+    base = _with_memory(summarize(paired.baseline, _arm_runs(records, "baseline")), memory_records[0])
+    cand = _with_memory(summarize(paired.candidate, _arm_runs(records, "candidate")), memory_records[1])
     verdict = decide(
         baseline=_arm(base),
         candidate=_arm(cand),
         params=equivalence.params,
         trace=equivalence.trace,
+        paired=[r.ratios for r in records if r.ok],
         margin=spec.margin,
         unit=workload.unit,
     )
@@ -359,7 +482,9 @@ def run_accept(
         baseline=base,
         candidate=cand,
         comm=(_comm(base), _comm(cand)),
+        memory_model=memory_model_of([base, cand]),
         verdict=verdict,
         records=tuple(records),
+        memory_records=memory_records,
         card=make_runcard(spec, verdict, chosen, environment, workload.unit),
     )

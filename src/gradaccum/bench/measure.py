@@ -1,11 +1,18 @@
-"""Measure one configuration in this process, with the library's own :class:`Accumulator`.
+"""Measure configurations in this process, with the library's own :class:`Accumulator`.
 
 Every timed update is one ``Accumulator.step``; its ``observer`` marks the phase boundaries, so the
 per-phase figures come from the same step a user runs, not from a copy of its loop. On CUDA every
 clock read is preceded by a device synchronize (kernels are asynchronous; without it the clock
 measures launch time), and peak memory is reset at the start of each update. Under an initialized
 process group the model is wrapped in DDP with a counting comm hook, and the ranks' figures are
-combined (slowest step, largest peak) so that every rank returns the same :class:`Measurement`.
+combined (slowest step, largest peak) so that every rank returns the same figures.
+
+Two ways to measure: :func:`measure` runs one configuration (the sweep's unit: one run in a fresh
+process); :func:`measure_paired` holds two configurations in one process and alternates them in
+short blocks of updates, baseline-candidate then candidate-baseline (ABBA), so that drift in the
+machine's speed (a neighbour's job, frequency scaling) lands on both arms of every pair alike.
+The first warm-up update of each configuration counts the bytes its forwards save for backward;
+the timed updates run without those hooks.
 """
 
 from __future__ import annotations
@@ -17,13 +24,18 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import precision
 from gradaccum.batch import Batch, cast, split, take
-from gradaccum.bench.spec import Measurement, MeasureSpec, RunRecord
+from gradaccum.bench.memory import MemoryFigures, persistent_bytes, saved_bytes
+from gradaccum.bench.spec import Measurement, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.check.workload import Workload
 from gradaccum.distributed import dist
 from gradaccum.distributed.comm import CommCounter, count_allreduces
@@ -31,7 +43,7 @@ from gradaccum.distributed.wrap import wrap_model
 from gradaccum.errors import BenchError
 from gradaccum.step.accumulator import Accumulator
 
-__all__ = ["measure", "measure_safely", "peak_rss_bytes"]
+__all__ = ["measure", "measure_paired", "measure_paired_safely", "measure_safely", "peak_rss_bytes"]
 
 
 def peak_rss_bytes() -> int:
@@ -80,8 +92,198 @@ class _Clock:
         return count, micro, opt
 
 
+@dataclass(slots=True)
+class _Update:
+    """One timed update's raw figures on this rank."""
+
+    step_ms: float
+    count_ms: float | None
+    micro_ms: list[float]
+    optimizer_ms: float | None
+    tokens: int
+    skipped: bool
+    calls: int | None
+    sent: int | None
+    allocated: int
+    reserved: int
+
+
 def _median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
+
+
+class _Arm:
+    """One configuration set up in this process: model, optimizer, accumulator and its data."""
+
+    def __init__(self, workload: Workload, spec: MeasureSpec) -> None:
+        world, self.rank = dist.world_size(), dist.rank()
+        if world != spec.dp:
+            raise BenchError(
+                f"the configuration asks for dp={spec.dp} data-parallel replicas but this process group "
+                f"has {world} rank(s); launch {spec.dp} ranks (torchrun --nproc-per-node {spec.dp}) or "
+                f"set dp={world}"
+            )
+        self.workload, self.spec = workload, spec
+        self.world = world
+        self.device = device = torch.device(spec.device)
+        self.param_dtype = precision.param_dtype(spec.precision)
+        torch.manual_seed(spec.seed)
+        base = workload.build_model().to(device=device, dtype=self.param_dtype)
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+        self.model: nn.Module = wrap_model(base, device, bucket_cap_mb=spec.bucket_cap_mb)
+        self.counter: CommCounter | None = None
+        if isinstance(self.model, DistributedDataParallel):
+            self.counter = count_allreduces(self.model)
+        self.optimizer = workload.optimizer_factory(self.model.parameters())
+        self.clock = _Clock(device)
+        self.acc = Accumulator(
+            self.model,
+            self.optimizer,
+            max_grad_norm=spec.max_grad_norm,
+            scaler=precision.make_scaler(spec.precision, device),
+            defer_sync=spec.defer_sync,
+            observer=self.clock,
+        )
+        self.loss_fn = precision.autocast_loss(workload.loss_fn, spec.precision, device)
+        self.buckets: int | None = None
+        self.activation_bytes = 0
+        self.next_update = 0
+
+    def window(self, update: int) -> list[Batch]:
+        """Update ``update``'s micro-batches: the same global examples for every configuration of
+        this global batch (so tokens per update match exactly), this rank's slice of them."""
+        spec, plan = self.spec, self.spec.plan
+        batch = self.workload.make_batch(plan.global_batch, spec.seed + 1 + update)
+        mine = take(batch, self.rank * plan.local_batch, (self.rank + 1) * plan.local_batch)
+        return split(cast(mine, self.param_dtype, self.device), micro_batch=spec.micro_batch)
+
+    def warm_up(self) -> None:
+        """``spec.warmup`` unmeasured updates (allocator, caches, DDP's bucket rebuild, the rank
+        check); the first one counts the bytes each micro-batch saves for backward."""
+        saved: list[int] = []
+
+        def counted_loss(model: nn.Module, micro_batch: Any) -> torch.Tensor:
+            with saved_bytes(model) as counter:
+                loss = self.loss_fn(model, micro_batch)
+            saved.append(counter.bytes)
+            return loss
+
+        for u in range(self.spec.warmup):
+            loss_fn = counted_loss if u == 0 else self.loss_fn
+            self.acc.step(self.window(u), loss_fn, self.workload.count_fn)
+        if not saved:  # no warm-up asked for: count on one more unmeasured update
+            self.acc.step(self.window(0), counted_loss, self.workload.count_fn)
+        self.activation_bytes = max(saved)
+        if self.counter is not None:
+            # one plain synchronized backward: DDP all-reduces each bucket once
+            self.counter.reset()
+            (self.loss_fn(self.model, self.window(0)[0]) * 0).backward()
+            self.buckets = self.counter.calls
+            self.optimizer.zero_grad(set_to_none=True)
+        self.next_update = self.spec.warmup
+
+    def run(self, updates: int) -> list[_Update]:
+        """The next ``updates`` timed updates."""
+        out = []
+        k, device, clock, counter = self.spec.accum_steps, self.device, self.clock, self.counter
+        for u in range(self.next_update, self.next_update + updates):
+            micro_batches = self.window(u)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            if counter is not None:
+                counter.reset()
+            clock.marks.clear()
+            start = clock.now()
+            result = self.acc.step(micro_batches, self.loss_fn, self.workload.count_fn)
+            step_ms = (clock.now() - start) * 1e3
+            counting, micro, optimizing = clock.phases(k)
+            out.append(
+                _Update(
+                    step_ms=step_ms,
+                    count_ms=counting,
+                    micro_ms=micro,
+                    optimizer_ms=optimizing,
+                    tokens=result.global_count,
+                    skipped=not result.applied,
+                    calls=None if counter is None else counter.calls,
+                    sent=None if counter is None else counter.bytes,
+                    allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+                    reserved=torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0,
+                )
+            )
+        self.next_update += updates
+        return out
+
+    def measurement(self, updates: list[_Update], *, fresh_process: bool) -> Measurement:
+        """The figures of ``updates`` (in order), combined over ranks: a collective under DP."""
+        micro_ms: list[float] = []
+        sync_ms: list[float] = []
+        for up in updates:
+            if self.world > 1 and len(up.micro_ms) > 1:
+                # the final backward synchronizes; what it adds over the others is the exposed sync time
+                micro_ms.extend(up.micro_ms[:-1])
+                sync_ms.append(up.micro_ms[-1] - statistics.median(up.micro_ms[:-1]))
+            else:
+                micro_ms.extend(up.micro_ms)
+        param, grad, state = persistent_bytes(self.model, self.optimizer)
+        cuda = self.device.type == "cuda"
+        mine = {
+            "step_ms": [up.step_ms for up in updates],
+            "micro_ms": _median(micro_ms),
+            "sync_ms": _median(sync_ms) if sync_ms else None,
+            "count_ms": _median([up.count_ms for up in updates if up.count_ms is not None]),
+            "optimizer_ms": _median([up.optimizer_ms for up in updates if up.optimizer_ms is not None]),
+            "peak_rss": peak_rss_bytes(),
+            "peak_alloc": max((up.allocated for up in updates), default=0),
+            "peak_reserved": max((up.reserved for up in updates), default=0),
+            "calls": max((up.calls for up in updates if up.calls is not None), default=None),
+            "bytes": max((up.sent for up in updates if up.sent is not None), default=None),
+            "memory": (param, grad, state, self.activation_bytes),
+        }
+        everyone = dist.all_gather_objects(mine)
+        # the slowest rank bounds every update; memory is the largest rank's
+        steps = [max(r["step_ms"][i] for r in everyone) for i in range(len(updates))]
+
+        def slowest(key: str) -> float | None:
+            got = [r[key] for r in everyone if r[key] is not None]
+            return max(got) if got else None
+
+        tokens = [up.tokens for up in updates]
+        total_s = sum(steps) / 1e3
+        worst_memory = max(everyone, key=lambda r: sum(r["memory"]))["memory"]
+        return Measurement(
+            spec=self.spec,
+            unit=self.workload.unit,
+            step_ms=steps,
+            micro_ms=float(slowest("micro_ms") or 0.0),
+            sync_ms=slowest("sync_ms"),
+            count_ms=float(slowest("count_ms") or 0.0),
+            optimizer_ms=float(slowest("optimizer_ms") or 0.0),
+            tokens_per_update=tokens,
+            examples_per_update=self.spec.plan.global_batch,
+            units_per_s=sum(tokens) / total_s if total_s > 0 else float("inf"),
+            updates=len(updates),
+            skipped_updates=sum(int(up.skipped) for up in updates),
+            peak_rss_bytes=int(max(r["peak_rss"] for r in everyone)),
+            fresh_process=fresh_process,
+            peak_allocated_bytes=int(max(r["peak_alloc"] for r in everyone)) if cuda else None,
+            peak_reserved_bytes=int(max(r["peak_reserved"] for r in everyone)) if cuda else None,
+            gradient_bytes=self.gradient_bytes,
+            allreduce_calls_per_update=None if self.counter is None else int(slowest("calls") or 0),
+            allreduce_bytes_per_update=None if self.counter is None else int(slowest("bytes") or 0),
+            buckets=self.buckets,
+            threads=torch.get_num_threads(),
+            device_name=_device_name(self.device),
+            memory=MemoryFigures(
+                parameter_bytes=int(worst_memory[0]),
+                gradient_bytes=int(worst_memory[1]),
+                optimizer_state_bytes=int(worst_memory[2]),
+                activation_bytes=int(worst_memory[3]),
+                max_allocated_bytes=int(max(r["peak_alloc"] for r in everyone)) if cuda else None,
+                max_reserved_bytes=int(max(r["peak_reserved"] for r in everyone)) if cuda else None,
+            ),
+        )
 
 
 def measure(workload: Workload, spec: MeasureSpec, *, fresh_process: bool = False) -> Measurement:
@@ -91,152 +293,89 @@ def measure(workload: Workload, spec: MeasureSpec, *, fresh_process: bool = Fals
     it with the same spec and gets the same, combined result. ``fresh_process`` says whether the
     process ran nothing else, i.e. whether its peak RSS belongs to this configuration alone.
     """
-    world, rank = dist.world_size(), dist.rank()
-    if world != spec.dp:
-        raise BenchError(
-            f"the configuration asks for dp={spec.dp} data-parallel replicas but this process group has "
-            f"{world} rank(s); launch {spec.dp} ranks (torchrun --nproc-per-node {spec.dp}) or set dp={world}"
-        )
-    device = torch.device(spec.device)
-    param_dtype = precision.param_dtype(spec.precision)
-    plan = spec.plan
-    local = plan.local_batch
+    arm = _Arm(workload, spec)
+    arm.warm_up()
+    return arm.measurement(arm.run(spec.steps), fresh_process=fresh_process)
 
-    torch.manual_seed(spec.seed)
-    base = workload.build_model().to(device=device, dtype=param_dtype)
-    gradient_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-    model = wrap_model(base, device, bucket_cap_mb=spec.bucket_cap_mb)
-    counter: CommCounter | None = None
-    if isinstance(model, DistributedDataParallel):
-        counter = count_allreduces(model)
-    optimizer = workload.optimizer_factory(model.parameters())
-    scaler = precision.make_scaler(spec.precision, device)
-    clock = _Clock(device)
-    acc = Accumulator(model, optimizer, scaler=scaler, defer_sync=spec.defer_sync, observer=clock)
-    loss_fn = precision.autocast_loss(workload.loss_fn, spec.precision, device)
 
-    def window(update: int) -> list[Batch]:
-        # the same global examples for every configuration of this global batch; this rank's slice
-        batch = workload.make_batch(plan.global_batch, spec.seed + 1 + update)
-        mine = take(batch, rank * local, (rank + 1) * local)
-        return split(cast(mine, param_dtype, device), micro_batch=spec.micro_batch)
+def measure_paired(workload: Workload, spec: PairedSpec, *, run_index: int = 0) -> PairedRecord:
+    """Both configurations of ``spec`` in this process, alternating in blocks: A B, B A, A B, ...
 
-    for u in range(spec.warmup):
-        acc.step(window(u), loss_fn, workload.count_fn)
-
-    buckets: int | None = None
-    if counter is not None:
-        # one plain synchronized backward: DDP all-reduces each bucket once
-        counter.reset()
-        (loss_fn(model, window(0)[0]) * 0).backward()
-        buckets = counter.calls
-        optimizer.zero_grad(set_to_none=True)
-
-    step_ms: list[float] = []
-    micro_ms: list[float] = []
-    sync_ms: list[float] = []
-    count_ms: list[float] = []
-    opt_ms: list[float] = []
-    tokens: list[int] = []
-    skipped = 0
-    calls: list[int] = []
-    sent: list[int] = []
-    peak_alloc = peak_reserved = 0
-    k = spec.accum_steps
-    for u in range(spec.warmup, spec.warmup + spec.steps):
-        micro_batches = window(u)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        if counter is not None:
-            counter.reset()
-        clock.marks.clear()
-        start = clock.now()
-        result = acc.step(micro_batches, loss_fn, workload.count_fn)
-        step_ms.append((clock.now() - start) * 1e3)
-        if device.type == "cuda":
-            peak_alloc = max(peak_alloc, torch.cuda.max_memory_allocated(device))
-            peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(device))
-        counting, micro, optimizing = clock.phases(k)
-        if world > 1 and len(micro) > 1:
-            # the final backward synchronizes; what it adds over the others is the exposed sync time
-            micro_ms.extend(micro[:-1])
-            sync_ms.append(micro[-1] - statistics.median(micro[:-1]))
-        else:
-            micro_ms.extend(micro)
-        if counting is not None:
-            count_ms.append(counting)
-        if optimizing is not None:
-            opt_ms.append(optimizing)
-        tokens.append(result.global_count)
-        skipped += int(not result.applied)
-        if counter is not None:
-            calls.append(counter.calls)
-            sent.append(counter.bytes)
-
-    mine_figures = {
-        "step_ms": step_ms,
-        "micro_ms": _median(micro_ms),
-        "sync_ms": _median(sync_ms) if sync_ms else None,
-        "count_ms": _median(count_ms),
-        "optimizer_ms": _median(opt_ms),
-        "peak_rss": peak_rss_bytes(),
-        "peak_alloc": peak_alloc,
-        "peak_reserved": peak_reserved,
-        "calls": max(calls) if calls else None,
-        "bytes": max(sent) if sent else None,
-    }
-    everyone = dist.all_gather_objects(mine_figures)
-    # the slowest rank bounds every update; memory is the largest rank's
-    combined_steps = [max(r["step_ms"][i] for r in everyone) for i in range(spec.steps)]
-
-    def slowest(key: str) -> float | None:
-        got = [r[key] for r in everyone if r[key] is not None]
-        return max(got) if got else None
-
-    total_s = sum(combined_steps) / 1e3
-    return Measurement(
+    Each block is ``spec.block_updates`` updates of one configuration; both configurations see
+    update ``u``'s same examples, so a pair's throughput ratio is the inverse ratio of its times.
+    Collective under DP (every rank runs the same schedule).
+    """
+    arms = (_Arm(workload, spec.baseline), _Arm(workload, spec.candidate))
+    for arm in arms:
+        arm.warm_up()
+    done: tuple[list[_Update], list[_Update]] = ([], [])
+    block_seconds: list[tuple[float, float]] = []
+    block_units: list[int] = []
+    for block in range(spec.blocks):
+        took = [0.0, 0.0]
+        order = (0, 1) if block % 2 == 0 else (1, 0)
+        for which in order:
+            updates = arms[which].run(spec.block_updates)
+            done[which].extend(updates)
+            took[which] = _slowest_rank_seconds(updates)
+        block_seconds.append((took[0], took[1]))
+        block_units.append(sum(up.tokens for up in done[0][-spec.block_updates :]))
+    return PairedRecord(
         spec=spec,
-        unit=workload.unit,
-        step_ms=combined_steps,
-        micro_ms=float(slowest("micro_ms") or 0.0),
-        sync_ms=slowest("sync_ms"),
-        count_ms=float(slowest("count_ms") or 0.0),
-        optimizer_ms=float(slowest("optimizer_ms") or 0.0),
-        tokens_per_update=tokens,
-        examples_per_update=plan.global_batch,
-        units_per_s=sum(tokens) / total_s if total_s > 0 else float("inf"),
-        updates=spec.steps,
-        skipped_updates=skipped,
-        peak_rss_bytes=int(max(r["peak_rss"] for r in everyone)),
-        fresh_process=fresh_process,
-        peak_allocated_bytes=int(max(r["peak_alloc"] for r in everyone)) if device.type == "cuda" else None,
-        peak_reserved_bytes=int(max(r["peak_reserved"] for r in everyone)) if device.type == "cuda" else None,
-        gradient_bytes=gradient_bytes,
-        allreduce_calls_per_update=None if counter is None else int(slowest("calls") or 0),
-        allreduce_bytes_per_update=None if counter is None else int(slowest("bytes") or 0),
-        buckets=buckets,
-        threads=torch.get_num_threads(),
-        device_name=_device_name(device),
+        status="ok",
+        baseline=arms[0].measurement(done[0], fresh_process=False),
+        candidate=arms[1].measurement(done[1], fresh_process=False),
+        block_seconds=tuple(block_seconds),
+        block_units=tuple(block_units),
+        run_index=run_index,
     )
 
 
-def measure_safely(
-    workload: Workload, spec: MeasureSpec, *, fresh_process: bool = False, run_index: int = 0
-) -> RunRecord:
-    """:func:`measure`, with a CUDA out-of-memory error caught, memory freed and reported as ``oom``.
+def _slowest_rank_seconds(updates: list[_Update]) -> float:
+    """A block's wall time: the slowest rank's sum of step times (every rank waits for it)."""
+    mine = sum(up.step_ms for up in updates) / 1e3
+    return float(max(dist.all_gather_objects(mine)))
+
+
+def _oom_message(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or ["CUDA out of memory"])[0]
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _safely(attempt: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``attempt()``, or (None, the OOM's first line) with memory freed on an out-of-memory error.
 
     Other exceptions propagate: they are bugs or bad input, not a property of the configuration.
     """
     oom: str | None = None
     try:
-        m = measure(workload, spec, fresh_process=fresh_process)
-        return RunRecord(spec=spec, status="ok", measurement=m, run_index=run_index)
-    except torch.cuda.OutOfMemoryError as exc:  # untested here: no CUDA device on the build machine
-        oom = (str(exc).strip().splitlines() or ["CUDA out of memory"])[0]
+        return attempt(), None
+    except torch.cuda.OutOfMemoryError as exc:
+        oom = _oom_message(exc)
         traceback.clear_frames(exc.__traceback__)
     # outside the except block the traceback, and the frames holding the model, are gone
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release()
+    return None, oom
+
+
+def measure_safely(
+    workload: Workload, spec: MeasureSpec, *, fresh_process: bool = False, run_index: int = 0
+) -> RunRecord:
+    """:func:`measure`, with an out-of-memory error caught, memory freed and reported as ``oom``."""
+    m, oom = _safely(lambda: measure(workload, spec, fresh_process=fresh_process))
+    if m is not None:
+        return RunRecord(spec=spec, status="ok", measurement=m, run_index=run_index)
     return RunRecord(spec=spec, status="oom", error=oom, run_index=run_index)
+
+
+def measure_paired_safely(workload: Workload, spec: PairedSpec, *, run_index: int = 0) -> PairedRecord:
+    """:func:`measure_paired`, with an out-of-memory error reported as ``oom``."""
+    record, oom = _safely(lambda: measure_paired(workload, spec, run_index=run_index))
+    if record is not None:
+        return record
+    return PairedRecord(spec=spec, status="oom", error=oom, run_index=run_index)

@@ -1,9 +1,12 @@
 """The seeds' two back-of-envelope models, fitted to or set beside what was measured.
 
-Memory: peak = persistent + per_example x micro_batch. The persistent part (weights, gradients,
-optimizer state, the runtime) does not depend on the micro-batch; activations grow with it. Real
-kernels and allocators bend the line, which is why the fit reports its residual and the prediction
-is printed next to each measurement rather than instead of it.
+Memory: peak ~ persistent + fixed + per_example x micro_batch. The persistent term (parameters,
+gradients, optimizer state) is measured from the tensors and does not depend on the micro-batch;
+the activation term is the bytes one micro-batch's forward saves for backward, measured per
+configuration and fitted by least squares against the micro-batch (its intercept is ``fixed``).
+Real kernels and allocators add working memory on top, which is why CUDA's own peaks are shown
+beside the model rather than replaced by it. Accumulation shrinks only the activation term: when
+the persistent term alone exceeds a budget, no micro-batch (and no accumulation) can fit it.
 
 Communication: a synchronized backward all-reduces one full gradient set (G bytes). Naive
 accumulation synchronizes every micro-batch, k x G per update; deferring sync to the last one moves
@@ -15,67 +18,133 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gradaccum.errors import BenchError
+from gradaccum.plan import factorizations
 
-__all__ = ["CommModel", "MemoryModel", "comm_model", "fit_memory_model"]
+if TYPE_CHECKING:
+    from gradaccum.bench.stats import ConfigSummary
+
+__all__ = ["CommModel", "MemoryModel", "comm_model", "fit_memory_model", "memory_model_of"]
+
+MIB = 1024**2
+
+
+def _fmt(value: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
+        if abs(value) >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryModel:
-    """``peak = persistent_bytes + per_example_bytes x micro_batch``, fitted by least squares."""
+    """``peak ~ persistent_bytes + fixed_bytes + per_example_bytes x micro_batch``."""
 
     persistent_bytes: float
-    """The intercept: memory held whatever the micro-batch."""
+    """Parameters + gradients + optimizer state: held whatever the micro-batch."""
     per_example_bytes: float
-    """The slope: memory each example of a micro-batch adds (activations)."""
+    """The slope of the activation bytes against the micro-batch (what each example adds)."""
+    fixed_bytes: float
+    """The activation fit's intercept (saved tensors that do not grow with the micro-batch)."""
     residual_bytes: float
-    """Root-mean-square gap between the fitted line and the measurements."""
+    """Root-mean-square gap between the fitted activation line and the measurements."""
     points: int
-    """Measurements fitted."""
+    """Configurations fitted."""
     kind: str
-    """Which figure was fitted (e.g. "CPU process peak RSS", "CUDA max_memory_allocated")."""
+    """Which figures were fitted."""
 
     def predict(self, micro_batch: int) -> float:
-        return self.persistent_bytes + self.per_example_bytes * micro_batch
+        return self.persistent_bytes + self.fixed_bytes + self.per_example_bytes * micro_batch
 
     def largest_micro_batch(self, budget_bytes: float) -> int | None:
         """The largest micro-batch whose predicted peak fits ``budget_bytes``.
 
-        0 when even the persistent part does not fit; ``None`` when the fit found no growth with
-        the micro-batch (slope <= 0), so the model sets no limit.
+        0 when not even one example fits (or the persistent term alone exceeds the budget);
+        ``None`` when the fit found no growth with the micro-batch, so it sets no limit.
         """
+        room = budget_bytes - self.persistent_bytes - self.fixed_bytes
         if self.per_example_bytes <= 0:
-            return None if self.persistent_bytes <= budget_bytes else 0
-        room = budget_bytes - self.persistent_bytes
+            return None if room >= 0 else 0
         return max(0, math.floor(room / self.per_example_bytes))
+
+    def advice(self, budget_bytes: float, *, global_batch: int, dp: int) -> str:
+        """One sentence, with the figures: which factorization fits, or why none can."""
+        if self.persistent_bytes > budget_bytes:
+            return (
+                f"the persistent state alone ({_fmt(self.persistent_bytes)}: parameters, gradients and "
+                f"optimizer state) exceeds the budget of {_fmt(budget_bytes)}: neither a smaller "
+                "micro-batch nor more accumulation can fix that, since they shrink only the activations; "
+                "shard the state (FSDP2, ZeRO) or use a lighter optimizer (SGD, 8-bit or factored Adam)"
+            )
+        largest = self.largest_micro_batch(budget_bytes)
+        if largest is None:
+            return (
+                f"the fit finds no growth with the micro-batch: every factorization fits {_fmt(budget_bytes)}"
+            )
+        fitting = [p for p in factorizations(global_batch, dp=dp) if p.micro_batch <= largest]
+        if not fitting:
+            return (
+                f"not even one example per micro-batch fits {_fmt(budget_bytes)}: "
+                f"{_fmt(self.persistent_bytes)} persistent + "
+                f"{_fmt(self.fixed_bytes + self.per_example_bytes)} for one example's activations; use "
+                "activation checkpointing or shard the state"
+            )
+        best = fitting[0]
+        return (
+            f"micro-batches up to {largest} fit {_fmt(budget_bytes)} ({_fmt(self.persistent_bytes)} "
+            f"persistent + {_fmt(self.per_example_bytes)} per example); the largest factorization of "
+            f"global batch {global_batch} that fits is {best.label()} "
+            f"({_fmt(self.predict(best.micro_batch))} predicted)"
+        )
 
 
 def fit_memory_model(
-    micro_batches: Sequence[int], peaks_bytes: Sequence[float], *, kind: str = "peak memory"
+    micro_batches: Sequence[int],
+    activation_bytes: Sequence[float],
+    persistent_bytes: float,
+    *,
+    kind: str = "tensors: persistent + bytes saved for backward",
 ) -> MemoryModel:
-    """Least-squares line through (micro_batch, peak) points; needs two distinct micro-batches."""
-    if len(micro_batches) != len(peaks_bytes):
+    """Least-squares line through (micro_batch, activation) points; with one distinct micro-batch
+    the activations are taken as proportional to it (a line through the origin)."""
+    if len(micro_batches) != len(activation_bytes) or not micro_batches:
         raise BenchError(
-            f"the memory fit needs one peak per micro-batch, got {len(micro_batches)} micro-batches "
-            f"and {len(peaks_bytes)} peaks"
+            f"the memory fit needs one activation figure per micro-batch, got {len(micro_batches)} "
+            f"micro-batches and {len(activation_bytes)} figures"
         )
     xs = [float(x) for x in micro_batches]
-    ys = [float(y) for y in peaks_bytes]
-    if len(set(xs)) < 2:
-        raise BenchError(
-            "the memory fit needs measurements at two or more distinct micro-batches, got "
-            f"{sorted(set(xs))}; sweep more factorizations of the global batch"
-        )
+    ys = [float(y) for y in activation_bytes]
     n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-    slope = sxy / sxx
-    intercept = mean_y - slope * mean_x
+    if len(set(xs)) < 2:
+        slope, intercept = (sum(ys) / sum(xs), 0.0) if sum(xs) else (0.0, 0.0)
+    else:
+        mean_x, mean_y = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mean_x) ** 2 for x in xs)
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+        slope = sxy / sxx
+        intercept = mean_y - slope * mean_x
     rms = math.sqrt(sum((intercept + slope * x - y) ** 2 for x, y in zip(xs, ys, strict=True)) / n)
     return MemoryModel(
-        persistent_bytes=intercept, per_example_bytes=slope, residual_bytes=rms, points=n, kind=kind
+        persistent_bytes=float(persistent_bytes),
+        per_example_bytes=slope,
+        fixed_bytes=intercept,
+        residual_bytes=rms,
+        points=n,
+        kind=kind,
+    )
+
+
+def memory_model_of(configs: Sequence[ConfigSummary]) -> MemoryModel | None:
+    """The memory model of the configurations that measured their memory (None if none did)."""
+    measured = [c for c in configs if c.memory is not None]
+    if not measured:
+        return None
+    return fit_memory_model(
+        [c.spec.micro_batch for c in measured],
+        [c.memory.activation_bytes for c in measured if c.memory is not None],
+        max(c.memory.persistent_bytes for c in measured if c.memory is not None),
     )
 
 

@@ -51,8 +51,40 @@ def _throughput(ax: Any, configs: Sequence[ConfigSummary]) -> None:
     ax.grid(True, alpha=0.3)
 
 
+def _memory_bars(ax: Any, labels: list[str], configs: Sequence[ConfigSummary], budget: int | None) -> None:
+    """Stacked persistent + activation bars from zero, each segment's value written on it."""
+    persistent = [(c.memory.persistent_bytes if c.memory else 0) / MIB for c in configs]
+    activation = [(c.memory.activation_bytes if c.memory else 0) / MIB for c in configs]
+    xs = list(range(len(configs)))
+    ax.bar(xs, persistent, color="tab:blue", label="persistent: parameters + gradients + optimizer state")
+    ax.bar(
+        xs,
+        activation,
+        bottom=persistent,
+        color="tab:orange",
+        label="activations: saved for backward, one micro-batch",
+    )
+    top = max([p + a for p, a in zip(persistent, activation, strict=True)] + [0.0])
+    for x, p, a in zip(xs, persistent, activation, strict=True):
+        ax.text(x, p / 2, f"{p:.2f}", ha="center", va="center", fontsize="small")
+        ax.text(x, p + a / 2, f"{a:.2f}", ha="center", va="center", fontsize="small")
+    cuda = [c for c in configs if c.memory is not None and c.memory.max_allocated_bytes is not None]
+    if cuda:
+        ys = [(c.memory.max_allocated_bytes or 0) / MIB for c in configs if c.memory is not None]
+        ax.plot(xs[: len(ys)], ys, "k_", markersize=30, label="CUDA max_memory_allocated per update")
+        top = max([top, *ys])
+    if budget is not None:
+        ax.axhline(budget / MIB, color="tab:red", linestyle=":", label="budget")
+        top = max(top, budget / MIB)
+    ax.set_xticks(xs, labels)
+    ax.set_ylim(0, top * 1.25 if top > 0 else 1)
+    ax.set_ylabel("MiB (from the tensors)")
+    ax.legend(loc="upper left", fontsize="small")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
 def plot_sweep(result: SweepResult, folder: str | Path) -> list[Path]:
-    """``throughput.png`` and ``memory.png`` against micro-batch; returns the files written."""
+    """``throughput.png`` against micro-batch and ``memory.png`` (stacked bars); returns the files."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     configs = result.configs
@@ -67,65 +99,40 @@ def plot_sweep(result: SweepResult, folder: str | Path) -> list[Path]:
 
     fig = _figure()
     ax = fig.subplots()
-    done = [c for c in configs if c.ok and c.peak_memory_bytes is not None]
-    kind = done[0].peak_memory_kind if done else "peak memory"
-    if done:
-        xs = [c.spec.micro_batch for c in done]
-        ax.plot(xs, [(c.peak_memory_bytes or 0) / MIB for c in done], "o", label=f"measured: {kind}")
-        reserved = [c for c in done if c.peak_reserved_bytes is not None]
-        if reserved:
-            ax.plot(
-                [c.spec.micro_batch for c in reserved],
-                [(c.peak_reserved_bytes or 0) / MIB for c in reserved],
-                "s",
-                label="measured: CUDA max_memory_reserved per update",
-            )
-    model = result.memory_model
-    if model is not None:
-        top = max([c.spec.micro_batch for c in configs] + [result.largest_fitting_micro_batch or 0])
-        xs_line = [1, top]
-        ax.plot(
-            xs_line,
-            [model.predict(x) / MIB for x in xs_line],
-            "--",
-            label=f"model: {model.persistent_bytes / MIB:.1f} MiB + "
-            f"{model.per_example_bytes / MIB:.3f} MiB x micro",
-        )
-    if result.spec.memory_budget_bytes is not None:
-        ax.axhline(result.spec.memory_budget_bytes / MIB, color="tab:red", linestyle=":", label="budget")
-    ax.set_xlabel("micro-batch (examples per forward, per replica)")
-    ax.set_ylabel("MiB")
-    ax.set_title(f"peak memory at global batch {gb}")
-    ax.legend(loc="best", fontsize="small")
-    ax.grid(True, alpha=0.3)
+    done = [c for c in configs if c.ok]
+    _memory_bars(ax, [c.spec.label for c in done], done, result.spec.memory_budget_bytes)
+    ax.set_title(f"memory per configuration at global batch {gb}")
     paths.append(out / "memory.png")
     fig.savefig(paths[1], dpi=120)
     return paths
 
 
 def plot_accept(result: AcceptResult, folder: str | Path) -> list[Path]:
-    """``throughput.png`` (each run, in the order run, with medians) and ``memory.png``."""
+    """``throughput.png`` (every paired ratio by run, the median and its interval, the margin) and
+    ``memory.png`` (stacked persistent + activation bars of both configurations)."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    arms = (("baseline", result.baseline), ("candidate", result.candidate))
+    v = result.verdict
 
     fig = _figure()
     ax = fig.subplots()
-    for arm, (name, summary) in enumerate(arms):
-        # runs alternate baseline, candidate, baseline, ...
-        runs = [(i + 1, r.measurement) for i, r in enumerate(result.records) if i % 2 == arm]
-        xs = [i for i, m in runs if m is not None]
-        ys = [m.units_per_s for _, m in runs if m is not None]
-        line = ax.plot(xs, ys, "o", label=f"{name} {summary.spec.label}")[0]
-        if summary.units_per_s is not None:
-            ax.axhline(summary.units_per_s.median, color=line.get_color(), linestyle="--", alpha=0.7)
-    gain = result.verdict.throughput_gain
-    title = "throughput per run (interleaved); dashed: medians"
-    if gain is not None:
-        title += f"\ngain {gain:+.1%}, margin {result.verdict.margin:.1%}: {result.verdict.decision}"
-    ax.set_title(title)
-    ax.set_xlabel("run (in the order run)")
-    ax.set_ylabel(f"valid {result.baseline.unit} / s")
+    x = 0
+    for r in result.records:
+        gains = [100 * (g - 1) for g in r.ratios]
+        ax.plot(range(x, x + len(gains)), gains, "o", label=f"run {r.run_index + 1}")
+        x += len(gains)
+    if v.throughput_gain is not None:
+        ax.axhline(
+            100 * v.throughput_gain, color="black", linestyle="--", label=f"median {v.throughput_gain:+.1%}"
+        )
+    if v.interval is not None:
+        ax.axhspan(100 * v.interval[0], 100 * v.interval[1], color="grey", alpha=0.2, label="95% interval")
+    ax.axhline(100 * v.margin, color="tab:green", linestyle=":", label=f"margin {v.margin:.1%}")
+    ax.axhline(0, color="tab:red", linewidth=0.8)
+    labels = f"candidate {result.candidate.spec.label} over baseline {result.baseline.spec.label}"
+    ax.set_title(f"{labels}, per block pair: {v.decision}")
+    ax.set_xlabel("block pair (in the order run)")
+    ax.set_ylabel("throughput gain, %")
     ax.legend(loc="best", fontsize="small")
     ax.grid(True, alpha=0.3)
     paths = [out / "throughput.png"]
@@ -133,11 +140,14 @@ def plot_accept(result: AcceptResult, folder: str | Path) -> list[Path]:
 
     fig = _figure()
     ax = fig.subplots()
-    names = [f"{name}\n{s.spec.label}" for name, s in arms]
-    peaks = [(s.peak_memory_bytes or 0) / MIB for _, s in arms]
-    ax.bar(names, peaks, color=["tab:blue", "tab:orange"])
-    ax.set_ylabel(f"MiB ({result.baseline.peak_memory_kind})")
-    ax.set_title("peak memory (median of runs)")
+    arms = [result.baseline, result.candidate]
+    _memory_bars(
+        ax,
+        [f"baseline {a.spec.label}" for a in arms[:1]] + [f"candidate {arms[1].spec.label}"],
+        arms,
+        result.spec.memory_budget_bytes,
+    )
+    ax.set_title("memory per configuration\nactivations follow the micro-batch; the persistent term stays")
     paths.append(out / "memory.png")
     fig.savefig(paths[1], dpi=120)
     return paths

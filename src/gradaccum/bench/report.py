@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gradaccum.bench.accept import AcceptResult
-from gradaccum.bench.models import CommModel
+from gradaccum.bench.models import CommModel, MemoryModel
 from gradaccum.bench.stats import ConfigSummary
 from gradaccum.bench.sweep import SweepResult
 
@@ -81,22 +81,34 @@ def time_rows(configs: Sequence[ConfigSummary]) -> Table:
 
 
 def memory_rows(configs: Sequence[ConfigSummary], predictions: Sequence[float | None] | None = None) -> Table:
-    """Peak memory (with the memory model's prediction) and all-reduces, one row per configuration."""
-    kind = next((c.peak_memory_kind for c in configs if c.ok), "peak memory")
-    headers = ["config", kind, "CUDA reserved", "all-reduces/upd", "all-reduced/upd"]
+    """Memory from the tensors (persistent, activation), CUDA's peaks, peak RSS and all-reduces."""
+    headers = [
+        "config",
+        "persistent",
+        "activations / micro-batch",
+        "CUDA max allocated",
+        "CUDA max reserved",
+        "peak RSS (process)",
+        "all-reduces/upd",
+        "all-reduced/upd",
+    ]
     if predictions is not None:
-        headers.insert(2, "model predicts")
+        headers.insert(3, "model predicts")
     rows = []
     for i, c in enumerate(configs):
+        m = c.memory
         row = [
             c.spec.label,
-            fmt_bytes(c.peak_memory_bytes),
+            fmt_bytes(None if m is None else m.persistent_bytes),
+            fmt_bytes(None if m is None else m.activation_bytes),
+            fmt_bytes(c.peak_allocated_bytes),
             fmt_bytes(c.peak_reserved_bytes),
+            fmt_bytes(c.peak_rss_bytes),
             "-" if c.allreduce_calls_per_update is None else str(c.allreduce_calls_per_update),
             fmt_bytes(c.allreduce_bytes_per_update),
         ]
         if predictions is not None:
-            row.insert(2, fmt_bytes(predictions[i]))
+            row.insert(3, fmt_bytes(predictions[i]))
         rows.append(row)
     return headers, rows
 
@@ -147,30 +159,19 @@ def _markdown_table(table: Table) -> str:
     return "\n".join(lines)
 
 
-def _memory_lines(result: SweepResult) -> list[str]:
-    mm = result.memory_model
-    if mm is None:
-        return [f"No memory model: {result.memory_model_note}."]
+def memory_lines(model: MemoryModel | None, note: str | None, advice: str | None) -> list[str]:
+    """The memory model in words, and the budget's advice."""
+    if model is None:
+        return [f"No memory model: {note}."]
     lines = [
-        f"peak = {fmt_bytes(mm.persistent_bytes)} + {fmt_bytes(mm.per_example_bytes)} x micro_batch "
-        f"(least squares over {mm.points} configurations of {mm.kind}; rms residual "
-        f"{fmt_bytes(mm.residual_bytes)}).",
+        f"peak ~ {fmt_bytes(model.persistent_bytes)} persistent + {fmt_bytes(model.fixed_bytes)} + "
+        f"{fmt_bytes(model.per_example_bytes)} x micro_batch of activations (least squares over "
+        f"{model.points} configuration(s) of {model.kind}; rms residual {fmt_bytes(model.residual_bytes)}). "
+        "Accumulation shrinks only the activation term; the persistent term is the same for every "
+        "factorization.",
     ]
-    if mm.per_example_bytes <= 0:
-        lines.append(
-            "The fit finds no growth with the micro-batch: at this size the activations are lost in "
-            "the noise of the measured figure, so the model sets no micro-batch limit."
-        )
-    budget = result.spec.memory_budget_bytes
-    if budget is not None:
-        largest = result.largest_fitting_micro_batch
-        plan = result.largest_fitting_plan
-        said = "no limit from the model" if largest is None else f"micro-batch <= {largest}"
-        lines.append(
-            f"Budget {fmt_bytes(budget)}: {said}; largest factorization of the global batch that fits: "
-            + ("none" if plan is None else plan.label())
-            + "."
-        )
+    if advice is not None:
+        lines.append(f"Budget: {advice}.")
     return lines
 
 
@@ -209,7 +210,15 @@ def sweep_markdown(result: SweepResult) -> str:
             f"Exact global counts of each measured update ({ok[0].unit}): {tokens}. Identical in every "
             f"configuration and run: {'yes' if same else 'NO'}."
         )
-    lines += ["", "## Memory model", "", *_memory_lines(result), "", "## Communication model", ""]
+    lines += [
+        "",
+        "## Memory model",
+        "",
+        *memory_lines(result.memory_model, result.memory_model_note, result.budget_advice),
+        "",
+        "## Communication model",
+        "",
+    ]
     lines.append(
         "Naive accumulation all-reduces the full gradient on every micro-batch (k x G per update); "
         "deferred sync once (1 x G), as one large batch would."
@@ -226,23 +235,49 @@ def sweep_markdown(result: SweepResult) -> str:
     return "\n".join(lines)
 
 
+def verdict_lines(result: AcceptResult) -> list[str]:
+    """The decision in words: what it rests on, what would resolve it, what to watch."""
+    v, spec = result.verdict, result.spec
+    chosen = result.card.plan
+    lines = [f"{v.decision}: the run card records {chosen.label()} ({chosen.equation()})."]
+    if v.interval is not None and v.throughput_gain is not None:
+        lines.append(
+            f"The median gain is {v.throughput_gain:+.1%} with a 95% interval of [{v.interval[0]:+.1%}, "
+            f"{v.interval[1]:+.1%}] against a margin of {spec.margin:.1%}."
+        )
+    if v.inconclusive:
+        more = (
+            f" About {v.runs_to_resolve} runs (--runs {v.runs_to_resolve}) would resolve it if the spread "
+            "stays as measured."
+            if v.runs_to_resolve is not None
+            else ""
+        )
+        lines.append(
+            "The interval does not decide: it reaches both a gain below the margin and one above it."
+            + more
+            + " Until then keep the baseline; exit code 3 says so to a script."
+        )
+    lines += [f"Warning: {w}." for w in v.warnings]
+    return lines
+
+
 def accept_markdown(result: AcceptResult) -> str:
     spec, settings = result.spec, result.spec.settings
     v = result.verdict
-    chosen = result.card.plan
     lines = [
         f"# gradaccum accept: {v.decision}",
         "",
         f"Baseline {spec.baseline.label()} vs candidate {spec.candidate.label()} (micro-batch x "
         f"accumulation) on `{spec.workload}`; global batch {spec.baseline.global_batch}; dp "
-        f"{spec.baseline.dp}; precision {settings.precision}; device {settings.device}; "
+        f"{spec.baseline.dp}; precision {settings.precision}; clipping at "
+        f"{'off' if settings.max_grad_norm is None else settings.max_grad_norm}; device {settings.device}; "
         f"margin {spec.margin:.1%}.",
         "",
         "## Verdict",
         "",
         _markdown_table(verdict_rows(result)),
         "",
-        f"**{v.decision}**: the run card records {chosen.label()} ({chosen.equation()}).",
+        *(f"**{line}**" if i == 0 else line for i, line in enumerate(verdict_lines(result))),
     ]
     if not result.equivalence_passed:
         lines += [
@@ -252,14 +287,25 @@ def accept_markdown(result: AcceptResult) -> str:
         ]
     lines += [
         "",
-        "## Measurements",
+        "## How it was measured",
         "",
-        f"{settings.runs} runs each, interleaved (baseline, candidate, baseline, ...), {settings.steps} "
-        f"measured updates per run after {settings.warmup} warm-up updates, each run in a fresh process.",
+        f"Throughput: {settings.runs} paired runs, each a fresh process holding both configurations. After "
+        f"{settings.warmup} warm-up updates of each, the two alternate in blocks of {spec.block_updates} "
+        f"updates (baseline, candidate; candidate, baseline; ...), {spec.blocks} blocks each. A block pair's "
+        "ratio (candidate over baseline throughput on the same examples) is taken from adjacent blocks, "
+        "so drift in the machine's speed lands on both sides of it; the gain is the median ratio, and its "
+        "95% interval a bootstrap that resamples runs, then pairs within them.",
+        "",
+        "Memory: a short run of each configuration in a fresh process. Persistent bytes (parameters, "
+        "gradients, optimizer state) and activation bytes (what one micro-batch's forward saves for "
+        "backward) are counted from the tensors, on any device; on CUDA the allocator's peaks are beside "
+        "them. The process's peak RSS is mostly the Python and torch runtime.",
         "",
         _markdown_table(time_rows([result.baseline, result.candidate])),
         "",
         _markdown_table(memory_rows([result.baseline, result.candidate])),
+        "",
+        *memory_lines(result.memory_model, "no memory figures", result.budget_advice),
         "",
         _markdown_table(comm_rows([result.baseline, result.candidate], result.comm)),
         "",
@@ -280,8 +326,8 @@ def accept_markdown(result: AcceptResult) -> str:
         "",
         "## Files",
         "",
-        "`results.json` (every figure and run), `runcard.json` (the configuration to reproduce), "
-        "`throughput.png`, `memory.png`.",
+        "`results.json` (every figure and run), `runcard.json` (the configuration to reproduce, with every "
+        "setting that changes the update), `throughput.png`, `memory.png`.",
         "",
     ]
     return "\n".join(lines)

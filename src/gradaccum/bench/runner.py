@@ -10,6 +10,7 @@ once rather than left to time out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -18,15 +19,16 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
-from gradaccum.bench.spec import RESULT_PREFIX, MeasureSpec, RunRecord
+from gradaccum.bench.spec import RESULT_PREFIX, MeasureSpec, PairedRecord, PairedSpec, RunRecord, RunStatus
 from gradaccum.distributed import dist
 
 __all__ = ["TORCHRUN_VARIABLES", "Launch", "free_port", "run_isolated", "run_joined"]
 
-Launch = Callable[[MeasureSpec, int], RunRecord]
-"""``launch(spec, run_index)``: measure one run of one configuration somewhere, return its record."""
+Launch = Callable[[Any, int], Any]
+"""``launch(spec, run_index)``: measure one run somewhere and return its record: a
+:class:`RunRecord` for a :class:`MeasureSpec`, a :class:`PairedRecord` for a :class:`PairedSpec`."""
 
 POLL_S = 0.05
 TORCHRUN_VARIABLES = (
@@ -64,17 +66,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_device(spec: MeasureSpec, local_rank: int) -> str:
+Record = TypeVar("Record", RunRecord, PairedRecord, RunRecord | PairedRecord)
+Spec = MeasureSpec | PairedSpec
+
+
+def _rank_device(spec: Spec, local_rank: int) -> str:
     if spec.dp > 1 and spec.device == "cuda":
         return f"cuda:{local_rank}"
     return spec.device
 
 
-def _job(
-    spec: MeasureSpec, run_index: int, rank: int, init_method: str, timeout_s: float, local_rank: int
-) -> str:
+def _job(spec: Spec, run_index: int, rank: int, init_method: str, timeout_s: float, local_rank: int) -> str:
     device = _rank_device(spec, local_rank)
-    job: dict[str, Any] = {"spec": {**spec.to_dict(), "device": device}, "run_index": run_index}
+    if isinstance(spec, PairedSpec):
+        placed: dict[str, Any] = spec.to_dict()
+        for arm in ("baseline", "candidate"):
+            placed[arm] = {**placed[arm], "device": device}
+        job: dict[str, Any] = {"kind": "paired", "spec": placed, "run_index": run_index}
+    else:
+        job = {"kind": "measure", "spec": {**spec.to_dict(), "device": device}, "run_index": run_index}
     if spec.dp > 1:
         job.update(
             rank=rank,
@@ -86,12 +96,22 @@ def _job(
     return json.dumps(job)
 
 
+def _failed(spec: Spec, status: RunStatus, error: str, run_index: int) -> RunRecord | PairedRecord:
+    if isinstance(spec, PairedSpec):
+        return PairedRecord(spec=spec, status=status, error=error, run_index=run_index)
+    return RunRecord(spec=spec, status=status, error=error, run_index=run_index)
+
+
 def _record_from(
-    stdout: str, stderr: str, code: int | None, spec: MeasureSpec, run_index: int, *, stopped: bool = False
-) -> RunRecord:
+    stdout: str, stderr: str, code: int | None, spec: Spec, run_index: int, *, stopped: bool = False
+) -> RunRecord | PairedRecord:
     for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
-            record = RunRecord.from_dict(json.loads(line[len(RESULT_PREFIX) :]))
+            data = json.loads(line[len(RESULT_PREFIX) :])
+            if isinstance(spec, PairedSpec):
+                paired = PairedRecord.from_dict(data)
+                return dataclasses.replace(paired, spec=spec, run_index=run_index)
+            record = RunRecord.from_dict(data)
             return RunRecord(
                 spec=spec,
                 status=record.status,
@@ -105,18 +125,18 @@ def _record_from(
         why = STOPPED
     elif code is not None and code < 0:
         why += f" (killed by signal {-code}{': likely out of host memory' if code == -9 else ''})"
-    return RunRecord(spec=spec, status="failed", error=f"{why}\n{tail}".strip(), run_index=run_index)
+    return _failed(spec, "failed", f"{why}\n{tail}".strip(), run_index)
 
 
 def _run_workers(
-    spec: MeasureSpec,
+    spec: Spec,
     run_index: int,
     ranks: list[tuple[int, int]],
     init_method: str,
     timeout_s: float,
     python: str,
     env: Mapping[str, str] | None,
-) -> list[RunRecord]:
+) -> list[RunRecord | PairedRecord]:
     """Start one worker per (rank, local_rank), wait, and return their records in that order."""
     with tempfile.TemporaryDirectory(prefix="gradaccum-worker-") as tmp:
         procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
@@ -149,27 +169,27 @@ def _run_workers(
                 p.kill()
                 stopped.add(i)
             p.wait()
-        records = []
+        records: list[RunRecord | PairedRecord] = []
         for i, (p, out, err) in enumerate(procs):
             stdout = out.read_text(errors="replace")
             stderr = err.read_text(errors="replace")
             record = _record_from(stdout, stderr, p.returncode, spec, run_index, stopped=i in stopped)
             if timed_out and not record.ok:
-                record = RunRecord(
-                    spec=spec,
-                    status="timeout",
-                    error=f"the run did not finish within {timeout_s:g} s and was killed",
-                    run_index=run_index,
+                record = _failed(
+                    spec,
+                    "timeout",
+                    f"the run did not finish within {timeout_s:g} s and was killed",
+                    run_index,
                 )
             records.append(record)
         return records
 
 
-def _first_problem(records: list[RunRecord]) -> RunRecord:
+def _first_problem(records: list[Record]) -> Record:
     """The record that speaks for the group: the rank that failed, not the bystanders stopped for it
     or the ranks whose collective broke because it died (which of them exits first is a race)."""
 
-    def bystander(record: RunRecord) -> bool:
+    def bystander(record: Record) -> bool:
         error = record.error or ""
         return error.startswith(STOPPED) or any(marker in error for marker in PEER_FAILED)
 
@@ -183,15 +203,34 @@ def _first_problem(records: list[RunRecord]) -> RunRecord:
     return records[0]
 
 
+@overload
 def run_isolated(
     spec: MeasureSpec,
+    run_index: int = 0,
+    *,
+    timeout_s: float = ...,
+    python: str = ...,
+    env: Mapping[str, str] | None = ...,
+) -> RunRecord: ...
+@overload
+def run_isolated(
+    spec: PairedSpec,
+    run_index: int = 0,
+    *,
+    timeout_s: float = ...,
+    python: str = ...,
+    env: Mapping[str, str] | None = ...,
+) -> PairedRecord: ...
+def run_isolated(
+    spec: Spec,
     run_index: int = 0,
     *,
     timeout_s: float = 600.0,
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
-) -> RunRecord:
-    """Measure one run in ``spec.dp`` fresh worker processes on this host (ranks 0..dp-1).
+) -> RunRecord | PairedRecord:
+    """Measure one run in ``spec.dp`` fresh worker processes on this host (ranks 0..dp-1): one
+    configuration (a :class:`MeasureSpec`) or a paired run of two (a :class:`PairedSpec`).
 
     ``env`` replaces the workers' environment (``None``: inherit this process's).
     """
@@ -200,8 +239,30 @@ def run_isolated(
     return _first_problem(_run_workers(spec, run_index, ranks, init_method, timeout_s, python, env))
 
 
+@overload
 def run_joined(
     spec: MeasureSpec,
+    run_index: int = 0,
+    *,
+    master_addr: str,
+    local_rank: int,
+    timeout_s: float = ...,
+    python: str = ...,
+    env: Mapping[str, str] | None = ...,
+) -> RunRecord: ...
+@overload
+def run_joined(
+    spec: PairedSpec,
+    run_index: int = 0,
+    *,
+    master_addr: str,
+    local_rank: int,
+    timeout_s: float = ...,
+    python: str = ...,
+    env: Mapping[str, str] | None = ...,
+) -> PairedRecord: ...
+def run_joined(
+    spec: Spec,
     run_index: int = 0,
     *,
     master_addr: str,
@@ -209,7 +270,7 @@ def run_joined(
     timeout_s: float = 600.0,
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
-) -> RunRecord:
+) -> RunRecord | PairedRecord:
     """Under an initialized process group (torchrun): this rank starts its own worker.
 
     Rank 0 picks a port on ``master_addr`` for the configuration's own group and every rank learns
@@ -221,5 +282,6 @@ def run_joined(
     port = dist.all_gather_objects(free_port() if dist.rank() == 0 else None)[0]
     init_method = f"tcp://{master_addr}:{port}"
     mine = _run_workers(spec, run_index, [(dist.rank(), local_rank)], init_method, timeout_s, python, env)[0]
-    everyone = [RunRecord.from_dict(d) for d in dist.all_gather_objects(mine.to_dict())]
+    parse = PairedRecord.from_dict if isinstance(spec, PairedSpec) else RunRecord.from_dict
+    everyone: list[Any] = [parse(d) for d in dist.all_gather_objects(mine.to_dict())]
     return _first_problem(everyone)

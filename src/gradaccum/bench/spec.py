@@ -12,6 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from gradaccum.bench.memory import MemoryFigures
 from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan
 from gradaccum.precision import PRECISIONS
@@ -22,6 +23,8 @@ __all__ = [
     "MeasureSettings",
     "MeasureSpec",
     "Measurement",
+    "PairedRecord",
+    "PairedSpec",
     "RunRecord",
     "RunStatus",
 ]
@@ -69,6 +72,8 @@ class MeasureSpec:
     """``torch.set_num_threads`` in the worker; ``None`` keeps torch's default."""
     bucket_cap_mb: float | None = None
     """DDP's gradient bucket size in MiB; ``None`` keeps DDP's default (25)."""
+    max_grad_norm: float | None = None
+    """Clip each update's gradient to this norm, as training will (``None``: no clipping)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "dp"):
@@ -110,6 +115,11 @@ def _check_run_settings(settings: MeasureSpec | MeasureSettings) -> None:
         raise BenchError(f"bucket_cap_mb must be a positive number of MiB or None, got {cap!r}")
     if settings.precision not in PRECISIONS:
         raise BenchError(f"precision must be one of {PRECISIONS}, got {settings.precision!r}")
+    norm = settings.max_grad_norm
+    if norm is not None and (
+        isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 < norm < float("inf")
+    ):
+        raise BenchError(f"max_grad_norm must be a positive number or None (no clipping), got {norm!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,6 +144,8 @@ class MeasureSettings:
     """DDP gradient bucket size in MiB; ``None``: DDP's default."""
     seed: int = 0
     """Model and data seed."""
+    max_grad_norm: float | None = None
+    """Clip each update's gradient to this norm, as training will (``None``: no clipping)."""
 
     def __post_init__(self) -> None:
         _positive("runs", self.runs)
@@ -154,6 +166,7 @@ class MeasureSettings:
             device=self.device,
             threads=self.threads,
             bucket_cap_mb=self.bucket_cap_mb,
+            max_grad_norm=self.max_grad_norm,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,6 +224,8 @@ class Measurement:
     """``torch.get_num_threads()`` in the measuring process."""
     device_name: str
     """The device the run used, in words."""
+    memory: MemoryFigures | None = None
+    """Persistent and activation bytes from the tensors (and CUDA's allocator figures)."""
 
     @property
     def step_ms_median(self) -> float:
@@ -219,12 +234,15 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["spec"] = self.spec.to_dict()
+        data["memory"] = None if self.memory is None else self.memory.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Measurement:
         values = dict(data)
         values["spec"] = MeasureSpec.from_dict(values["spec"])
+        memory = values.get("memory")
+        values["memory"] = None if memory is None else MemoryFigures.from_dict(memory)
         return cls(**values)
 
 
@@ -267,6 +285,120 @@ class RunRecord:
             spec=MeasureSpec.from_dict(data["spec"]),
             status=data["status"],
             measurement=None if m is None else Measurement.from_dict(m),
+            error=data.get("error"),
+            run_index=int(data.get("run_index", 0)),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PairedSpec:
+    """Two configurations measured in one process, alternating in blocks of updates (accept's run)."""
+
+    baseline: MeasureSpec
+    """The configuration in use."""
+    candidate: MeasureSpec
+    """The proposed one (same global batch, dp, device and precision)."""
+    blocks: int
+    """Blocks per configuration; they alternate A B, B A, ... so there are as many pairs."""
+    block_updates: int
+    """Timed updates per block (``blocks * block_updates`` per configuration)."""
+
+    def __post_init__(self) -> None:
+        _positive("blocks", self.blocks)
+        _positive("block_updates", self.block_updates)
+        b, c = self.baseline, self.candidate
+        same = ("dp", "device", "precision", "workload", "seed", "threads")
+        differ = [name for name in same if getattr(b, name) != getattr(c, name)]
+        if differ:
+            raise BenchError(f"the two configurations of a paired run must share {differ}")
+
+    @property
+    def dp(self) -> int:
+        return self.baseline.dp
+
+    @property
+    def device(self) -> str:
+        return self.baseline.device
+
+    @property
+    def label(self) -> str:
+        return f"{self.baseline.label} vs {self.candidate.label}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "baseline": self.baseline.to_dict(),
+            "candidate": self.candidate.to_dict(),
+            "blocks": self.blocks,
+            "block_updates": self.block_updates,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PairedSpec:
+        return cls(
+            baseline=MeasureSpec.from_dict(data["baseline"]),
+            candidate=MeasureSpec.from_dict(data["candidate"]),
+            blocks=int(data["blocks"]),
+            block_updates=int(data["block_updates"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PairedRecord:
+    """One paired run: both configurations' figures and the time of every block."""
+
+    spec: PairedSpec
+    """What was run."""
+    status: RunStatus
+    """How the run ended."""
+    baseline: Measurement | None = None
+    """The baseline's figures over all its blocks (``None`` unless ``ok``)."""
+    candidate: Measurement | None = None
+    """The candidate's figures over all its blocks."""
+    block_seconds: tuple[tuple[float, float], ...] = ()
+    """Per block pair: (baseline seconds, candidate seconds), slowest rank."""
+    block_units: tuple[int, ...] = ()
+    """Valid units of each block pair (the same for both: the same examples)."""
+    error: str | None = None
+    """Why it did not finish."""
+    run_index: int = 0
+    """Which run this is."""
+
+    def __post_init__(self) -> None:
+        if (self.status == "ok") != (self.baseline is not None and self.candidate is not None):
+            raise BenchError(f"a paired record has measurements iff it is ok, got status {self.status!r}")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        """Candidate throughput over baseline throughput, per block pair (same units, so t_A / t_B)."""
+        return tuple(a / b for a, b in self.block_seconds if a > 0 and b > 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_dict(),
+            "status": self.status,
+            "baseline": None if self.baseline is None else self.baseline.to_dict(),
+            "candidate": None if self.candidate is None else self.candidate.to_dict(),
+            "block_seconds": [list(pair) for pair in self.block_seconds],
+            "block_units": list(self.block_units),
+            "ratios": list(self.ratios),
+            "error": self.error,
+            "run_index": self.run_index,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PairedRecord:
+        b, c = data.get("baseline"), data.get("candidate")
+        return cls(
+            spec=PairedSpec.from_dict(data["spec"]),
+            status=data["status"],
+            baseline=None if b is None else Measurement.from_dict(b),
+            candidate=None if c is None else Measurement.from_dict(c),
+            block_seconds=tuple((float(x), float(y)) for x, y in data.get("block_seconds", [])),
+            block_units=tuple(int(u) for u in data.get("block_units", [])),
             error=data.get("error"),
             run_index=int(data.get("run_index", 0)),
         )

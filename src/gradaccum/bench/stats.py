@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gradaccum.bench.memory import MemoryFigures
 from gradaccum.bench.spec import Measurement, MeasureSpec, RunRecord, RunStatus
 from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan
@@ -94,6 +95,8 @@ class ConfigSummary:
     """Throughput of each finished run, in run order."""
     fresh_process: bool = True
     """Whether every run had a process of its own (else peak RSS includes earlier configurations)."""
+    memory: MemoryFigures | None = None
+    """Persistent and activation bytes from the tensors (and CUDA's peaks), from the first run."""
 
     @property
     def plan(self) -> BatchPlan:
@@ -155,6 +158,7 @@ class ConfigSummary:
             "buckets": self.buckets,
             "per_run_units_per_s": self.per_run_units_per_s,
             "fresh_process": self.fresh_process,
+            "memory": None if self.memory is None else self.memory.to_dict(),
         }
 
 
@@ -202,4 +206,5 @@ def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
         buckets=first.buckets if first else None,
         per_run_units_per_s=[m.units_per_s for m in done],
         fresh_process=all(m.fresh_process for m in done),
+        memory=next((m.memory for m in done if m.memory is not None), None),
     )

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gradaccum.bench.models import CommModel, MemoryModel, comm_model, fit_memory_model
+from gradaccum.bench.models import CommModel, MemoryModel, comm_model, memory_model_of
 from gradaccum.bench.runner import Launch
 from gradaccum.bench.spec import MeasureSettings, MeasureSpec, RunRecord
 from gradaccum.bench.stats import ConfigSummary, summarize
@@ -74,12 +74,13 @@ class ProgressEvent:
     """Runs finished so far."""
     total: int
     """Runs in all."""
-    spec: MeasureSpec
-    """The configuration of this run."""
+    spec: Any
+    """The configuration of this run (a MeasureSpec, or a PairedSpec for accept's paired runs);
+    ``spec.label`` names it."""
     run_index: int
     """Which of its runs (0-based)."""
-    record: RunRecord | None = None
-    """The finished run's record; ``None`` when the run is about to start."""
+    record: Any = None
+    """The finished run's record (RunRecord or PairedRecord); ``None`` when it is about to start."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,6 +104,14 @@ class SweepResult:
     records: tuple[RunRecord, ...] = field(default_factory=tuple)
     """Every run, in the order it ran."""
 
+    @property
+    def budget_advice(self) -> str | None:
+        """With a memory budget: the largest factorization that fits, or why none can."""
+        budget = self.spec.memory_budget_bytes
+        if budget is None or self.memory_model is None:
+            return None
+        return self.memory_model.advice(budget, global_batch=self.spec.global_batch, dp=self.spec.dp)
+
     def to_dict(self) -> dict[str, Any]:
         mm = self.memory_model
         return {
@@ -116,6 +125,7 @@ class SweepResult:
             ],
             "comm_model": [None if c is None else {**asdict(c), "matches": c.matches} for c in self.comm],
             "memory_budget_bytes": self.spec.memory_budget_bytes,
+            "memory_budget_advice": self.budget_advice,
             "largest_fitting_micro_batch": self.largest_fitting_micro_batch,
             "largest_fitting_plan": None
             if self.largest_fitting_plan is None
@@ -129,6 +139,23 @@ def interleave(specs: Sequence[MeasureSpec], runs: int) -> list[tuple[MeasureSpe
     return [(spec, r) for r in range(runs) for spec in specs]
 
 
+def run_jobs(
+    jobs: Sequence[tuple[Any, int]],
+    launch: Launch,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+) -> list[Any]:
+    """Launch each (spec, run index) in order; failed runs are recorded, never raised."""
+    records: list[Any] = []
+    for done, (spec, r) in enumerate(jobs):
+        if on_progress is not None:
+            on_progress(ProgressEvent(done=done, total=len(jobs), spec=spec, run_index=r))
+        record = launch(spec, r)
+        records.append(record)
+        if on_progress is not None:
+            on_progress(ProgressEvent(done=done + 1, total=len(jobs), spec=spec, run_index=r, record=record))
+    return records
+
+
 def run_specs(
     specs: Sequence[MeasureSpec],
     runs: int,
@@ -136,26 +163,14 @@ def run_specs(
     on_progress: Callable[[ProgressEvent], None] | None = None,
 ) -> list[RunRecord]:
     """Every run of every spec, interleaved; failed runs are recorded, never raised."""
-    order = interleave(specs, runs)
-    records: list[RunRecord] = []
-    for done, (spec, r) in enumerate(order):
-        if on_progress is not None:
-            on_progress(ProgressEvent(done=done, total=len(order), spec=spec, run_index=r))
-        record = launch(spec, r)
-        records.append(record)
-        if on_progress is not None:
-            on_progress(ProgressEvent(done=done + 1, total=len(order), spec=spec, run_index=r, record=record))
-    return records
+    return run_jobs(interleave(specs, runs), launch, on_progress)
 
 
 def _memory(configs: Sequence[ConfigSummary]) -> tuple[MemoryModel | None, str | None]:
-    measured = [c for c in configs if c.ok and c.peak_memory_bytes is not None]
-    if len({c.spec.micro_batch for c in measured}) < 2:
-        return None, "needs two or more configurations with distinct micro-batches that finished"
-    kind = measured[0].peak_memory_kind
-    micro = [c.spec.micro_batch for c in measured]
-    peaks = [float(c.peak_memory_bytes or 0.0) for c in measured]
-    return fit_memory_model(micro, peaks, kind=kind), None
+    model = memory_model_of([c for c in configs if c.ok])
+    if model is None:
+        return None, "no configuration finished with its memory measured"
+    return model, None
 
 
 def run_sweep(

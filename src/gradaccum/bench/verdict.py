@@ -1,15 +1,33 @@
-"""The adoption rule: a pure function from measured figures to ADOPT or KEEP BASELINE.
+"""The adoption rule: a pure function from measured figures to ADOPT, KEEP BASELINE or INCONCLUSIVE.
 
 The seeds' protocol: adopt an accumulation change only if global valid tokens and optimizer updates
 match, parameter deltas pass the numerical tolerance, the skipped-step rate does not regress, and
 median valid-token throughput improves by a declared margin across at least three runs. The
-production-precision trace comparison is checked as its own criterion. Every criterion is reported
-with its figure, passed or not; the verdict is ADOPT only when all pass.
+production-precision trace comparison is checked as its own criterion, and one more guards the
+margin against noise: a 95 % confidence interval of the gain must lie above zero.
+
+The gain and its interval come from *paired* figures when there are any: each paired run holds
+both configurations in one process and alternates them in blocks, so a pair's ratio (candidate
+throughput over baseline throughput in adjacent blocks) is free of the drift that moves whole
+runs apart. The interval is a percentile bootstrap of the median paired ratio, blocked by run:
+each resample draws runs with replacement, then pairs within each drawn run with replacement,
+so it carries both the spread between runs (a process's memory layout, its neighbours) and within
+them. The resampling is seeded, so the same figures always give the same verdict.
+
+- ADOPT: every criterion passes (the median gain is at least the margin and the interval's low
+  end is above zero).
+- KEEP BASELINE: an arithmetic or accounting criterion fails (tokens, updates, equivalence,
+  traces, skips), or the interval lies entirely below the margin: the candidate is confidently
+  not worth it.
+- INCONCLUSIVE: the arithmetic passes but the interval straddles the decision (it reaches both
+  below zero and the margin, or the median gain is below the margin while the interval reaches
+  it). The verdict says how many runs would resolve it if the spread stays as measured.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -18,12 +36,27 @@ from typing import Any
 from gradaccum.errors import BenchError
 from gradaccum.values import require_int
 
-__all__ = ["ADOPT", "KEEP", "ArmFigures", "Criterion", "ParamCheck", "TraceCheck", "Verdict", "decide"]
+__all__ = [
+    "ADOPT",
+    "INCONCLUSIVE",
+    "KEEP",
+    "ArmFigures",
+    "Criterion",
+    "ParamCheck",
+    "TraceCheck",
+    "Verdict",
+    "decide",
+    "gain_interval",
+]
 
 ADOPT = "ADOPT"
 KEEP = "KEEP BASELINE"
+INCONCLUSIVE = "INCONCLUSIVE"
 DEFAULT_MARGIN = 0.03
 MIN_RUNS = 3
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+MAX_RUNS_SUGGESTED = 1000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,22 +123,30 @@ class Criterion:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Verdict:
-    """ADOPT or KEEP BASELINE, with every criterion."""
+    """ADOPT, KEEP BASELINE or INCONCLUSIVE, with every criterion and the figures behind them."""
 
     criteria: tuple[Criterion, ...]
     """Each criterion, in the protocol's order."""
     margin: float
     """The declared throughput margin (0.03 = 3 %)."""
     throughput_gain: float | None
-    """median(candidate) / median(baseline) - 1, when both measured."""
+    """The median gain: median paired ratio - 1 (or median(candidate) / median(baseline) - 1)."""
+    decision: str = KEEP
+    """``ADOPT``, ``KEEP BASELINE`` or ``INCONCLUSIVE``."""
+    interval: tuple[float, float] | None = None
+    """The 95 % confidence interval of the gain (low, high), when it could be computed."""
+    runs_to_resolve: int | None = None
+    """For INCONCLUSIVE: about how many runs would make the interval decide, if the spread stays."""
+    warnings: tuple[str, ...] = ()
+    """Measurement warnings (the spread exceeds the margin, too few pairs)."""
 
     @property
     def adopt(self) -> bool:
-        return all(c.passed for c in self.criteria)
+        return self.decision == ADOPT
 
     @property
-    def decision(self) -> str:
-        return ADOPT if self.adopt else KEEP
+    def inconclusive(self) -> bool:
+        return self.decision == INCONCLUSIVE
 
     @property
     def failed(self) -> list[Criterion]:
@@ -116,6 +157,10 @@ class Verdict:
             "decision": self.decision,
             "margin": self.margin,
             "throughput_gain": self.throughput_gain,
+            "interval": None if self.interval is None else list(self.interval),
+            "confidence": CONFIDENCE,
+            "runs_to_resolve": self.runs_to_resolve,
+            "warnings": list(self.warnings),
             "criteria": [asdict(c) for c in self.criteria],
         }
 
@@ -188,10 +233,58 @@ def _skips(base: ArmFigures, cand: ArmFigures) -> Criterion:
     )
 
 
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile of already sorted values."""
+    pos = q * (len(sorted_values) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
+
+
+def gain_interval(
+    paired: Sequence[Sequence[float]],
+    *,
+    confidence: float = CONFIDENCE,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, tuple[float, float]]:
+    """The median gain over all pairs and its percentile-bootstrap interval, blocked by run.
+
+    ``paired[r]`` holds run r's paired ratios (candidate over baseline throughput). Each resample
+    draws as many runs as there are, with replacement, then each drawn run's pairs with replacement,
+    and takes the median of everything drawn. Deterministic in ``seed``.
+    """
+    runs = [list(r) for r in paired if r]
+    if not runs:
+        raise BenchError("the gain's interval needs at least one paired ratio")
+    rng = random.Random(seed)
+    medians = []
+    for _ in range(resamples):
+        drawn: list[float] = []
+        for run in (rng.choice(runs) for _ in runs):
+            drawn.extend(rng.choice(run) for _ in run)
+        medians.append(statistics.median(drawn))
+    medians.sort()
+    tail = (1 - confidence) / 2
+    point = statistics.median([x for run in runs for x in run]) - 1
+    return point, (_quantile(medians, tail) - 1, _quantile(medians, 1 - tail) - 1)
+
+
+def _unpaired(base: ArmFigures, cand: ArmFigures) -> list[list[float]]:
+    """Without paired blocks: every (candidate run / baseline run) ratio, as one run's pairs."""
+    return [[c / b for b in base.units_per_s_per_run for c in cand.units_per_s_per_run if b > 0]]
+
+
 def _throughput(
-    base: ArmFigures, cand: ArmFigures, margin: float, min_runs: int, unit: str
-) -> tuple[Criterion, float | None]:
+    base: ArmFigures,
+    cand: ArmFigures,
+    paired: Sequence[Sequence[float]] | None,
+    margin: float,
+    min_runs: int,
+    unit: str,
+) -> tuple[Criterion, Criterion, float | None, tuple[float, float] | None]:
     name = f"median throughput gain >= {margin:.1%}"
+    ci_name = f"{CONFIDENCE:.0%} interval of the gain above 0"
     short = [
         f"{arm} has {len(a.units_per_s_per_run)} finished run(s)"
         + (f" and {a.runs_failed} failed" if a.runs_failed else "")
@@ -199,17 +292,46 @@ def _throughput(
         if len(a.units_per_s_per_run) < min_runs or a.runs_failed
     ]
     if not base.units_per_s_per_run or not cand.units_per_s_per_run:
-        return Criterion(name=name, passed=False, figure="; ".join(short)), None
+        why = "; ".join(short) or "no finished run"
+        return (
+            Criterion(name=name, passed=False, figure=why),
+            Criterion(name=ci_name, passed=False, figure=why),
+            None,
+            None,
+        )
     b = statistics.median(base.units_per_s_per_run)
     c = statistics.median(cand.units_per_s_per_run)
-    gain = c / b - 1 if b > 0 else float("nan")
-    figure = (
-        f"{gain:+.1%}: candidate {c:,.0f} vs baseline {b:,.0f} {unit}/s "
-        f"(medians of {len(cand.units_per_s_per_run)} and {len(base.units_per_s_per_run)} runs)"
+    pairs = [list(r) for r in (paired or ()) if r]
+    source = pairs if pairs else _unpaired(base, cand)
+    gain, (low, high) = gain_interval(source)
+    how = (
+        f"median of {sum(len(r) for r in pairs)} paired block ratios over {len(pairs)} runs"
+        if pairs
+        else f"medians of {len(cand.units_per_s_per_run)} and {len(base.units_per_s_per_run)} runs"
     )
+    figure = f"{gain:+.1%}: candidate {c:,.0f} vs baseline {b:,.0f} {unit}/s ({how})"
     if short:
         figure += f"; needs >= {min_runs} finished runs each: " + "; ".join(short)
-    return Criterion(name=name, passed=not short and gain >= margin, figure=figure), gain
+    ci_figure = f"[{low:+.1%}, {high:+.1%}] ({CONFIDENCE:.0%}, bootstrap blocked by run)"
+    gain_ok = not short and gain >= margin
+    ci_ok = not short and low > 0
+    return (
+        Criterion(name=name, passed=gain_ok, figure=figure),
+        Criterion(name=ci_name, passed=ci_ok, figure=ci_figure),
+        gain,
+        (low, high),
+    )
+
+
+def _runs_to_resolve(gain: float, interval: tuple[float, float], margin: float, runs: int) -> int | None:
+    """Runs for the interval to decide, assuming its half-width shrinks as 1/sqrt(runs)."""
+    low, high = interval
+    half = (high - low) / 2
+    # at or above the margin the interval must clear 0; below it, it must fall under the margin
+    distance = gain if gain >= margin else margin - gain
+    if half <= 0 or distance <= 0:
+        return None
+    return max(runs + 1, math.ceil(runs * (half / distance) ** 2))
 
 
 def decide(
@@ -218,21 +340,60 @@ def decide(
     candidate: ArmFigures,
     params: Sequence[ParamCheck],
     trace: TraceCheck | None,
+    paired: Sequence[Sequence[float]] | None = None,
     margin: float = DEFAULT_MARGIN,
     min_runs: int = MIN_RUNS,
     unit: str = "tokens",
 ) -> Verdict:
-    """Apply the adoption rule to measured figures; no I/O, no measurement, no randomness."""
+    """Apply the adoption rule to measured figures; no I/O, no measurement, no randomness.
+
+    ``paired``: per paired run, its block ratios (candidate over baseline throughput); without them
+    the gain and its interval come from the per-run throughputs of the two arms.
+    """
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
         raise BenchError(f"margin must be a non-negative fraction (0.03 = 3%), got {margin!r}")
     require_int("min_runs", min_runs, error=BenchError)
-    throughput, gain = _throughput(baseline, candidate, margin, min_runs, unit)
-    criteria = (
+    throughput, interval_ok, gain, interval = _throughput(baseline, candidate, paired, margin, min_runs, unit)
+    accounting = (
         _tokens(baseline, candidate),
         _updates(baseline, candidate),
         _params(params),
         _trace(trace),
         _skips(baseline, candidate),
-        throughput,
     )
-    return Verdict(criteria=criteria, margin=margin, throughput_gain=gain)
+    criteria = (*accounting, throughput, interval_ok)
+    short = any(len(a.units_per_s_per_run) < min_runs or a.runs_failed for a in (baseline, candidate))
+    runs = len([r for r in (paired or ()) if r]) or min(
+        len(baseline.units_per_s_per_run), len(candidate.units_per_s_per_run)
+    )
+    warnings: list[str] = []
+    runs_needed: int | None = None
+    if all(c.passed for c in criteria):
+        decision = ADOPT
+    elif not all(c.passed for c in accounting) or gain is None or interval is None or short:
+        decision = KEEP  # wrong arithmetic, or runs that did not finish: nothing to weigh
+    elif interval[1] < margin:
+        decision = KEEP  # confidently below the margin
+    else:
+        decision = INCONCLUSIVE
+        runs_needed = _runs_to_resolve(gain, interval, margin, runs)
+    if interval is not None and interval[1] - interval[0] > margin:
+        warnings.append(
+            f"the {CONFIDENCE:.0%} interval of the gain is {interval[1] - interval[0]:.1%} wide, wider than "
+            f"the margin {margin:.1%}: this machine's noise is larger than the difference being measured"
+        )
+    if runs_needed is not None and runs_needed > MAX_RUNS_SUGGESTED:
+        runs_needed = None
+        warnings.append(
+            f"the median gain sits too close to the decision for any practical number of runs (> "
+            f"{MAX_RUNS_SUGGESTED}) to resolve it: the two configurations are about as fast"
+        )
+    return Verdict(
+        criteria=criteria,
+        margin=margin,
+        throughput_gain=gain,
+        decision=decision,
+        interval=interval,
+        runs_to_resolve=runs_needed,
+        warnings=tuple(warnings),
+    )

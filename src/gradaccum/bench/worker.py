@@ -4,7 +4,7 @@ Reads one JSON job on stdin, writes one JSON :class:`RunRecord` as the last line
 exits. A fresh process per configuration (and per rank) means one configuration's allocations never
 inflate another's peak: the process's peak RSS *is* this configuration's CPU peak. The job::
 
-    {"spec": {...MeasureSpec...}, "run_index": 0,
+    {"kind": "measure" | "paired", "spec": {...MeasureSpec or PairedSpec...}, "run_index": 0,
      "rank": 0, "world": 1, "init_method": "tcp://127.0.0.1:29500", "backend": "gloo",
      "pg_timeout_s": 120}
 
@@ -22,19 +22,23 @@ from typing import Any
 
 import torch
 
-from gradaccum.bench.measure import measure_safely
-from gradaccum.bench.spec import RESULT_PREFIX, MeasureSpec, RunRecord
+from gradaccum.bench.measure import measure_paired_safely, measure_safely
+from gradaccum.bench.spec import RESULT_PREFIX, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.check.workload import load_workload
 
 __all__ = ["run_job"]
 
 
-def run_job(job: dict[str, Any]) -> RunRecord:
+def run_job(job: dict[str, Any]) -> RunRecord | PairedRecord:
     """Set up this process (threads, process group), measure, and tear the group down."""
-    spec = MeasureSpec.from_dict(job["spec"])
+    paired = job.get("kind") == "paired"
+    spec: MeasureSpec | PairedSpec = (
+        PairedSpec.from_dict(job["spec"]) if paired else MeasureSpec.from_dict(job["spec"])
+    )
     run_index = int(job.get("run_index", 0))
-    if spec.threads is not None:
-        torch.set_num_threads(spec.threads)
+    threads = spec.baseline.threads if isinstance(spec, PairedSpec) else spec.threads
+    if threads is not None:
+        torch.set_num_threads(threads)
     device = torch.device(spec.device)
     if device.type == "cuda" and device.index is not None:
         # NCCL and all_gather_object work on the current device: one GPU per rank, set before the group
@@ -53,11 +57,27 @@ def run_job(job: dict[str, Any]) -> RunRecord:
         )
         pg = dist
     try:
-        workload = load_workload(spec.workload)
+        workload_spec = spec.baseline.workload if isinstance(spec, PairedSpec) else spec.workload
+        workload = load_workload(workload_spec)
+        if isinstance(spec, PairedSpec):
+            return measure_paired_safely(workload, spec, run_index=run_index)
         return measure_safely(workload, spec, fresh_process=True, run_index=run_index)
     finally:
         if pg is not None and pg.is_initialized():
             pg.destroy_process_group()
+
+
+def _failed(job: dict[str, Any], exc: BaseException) -> RunRecord | PairedRecord:
+    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]).strip()
+    error = f"{type(exc).__name__}: {exc}\n{tail}"
+    run_index = int(job.get("run_index", 0))
+    if job.get("kind") == "paired":
+        return PairedRecord(
+            spec=PairedSpec.from_dict(job["spec"]), status="failed", error=error, run_index=run_index
+        )
+    return RunRecord(
+        spec=MeasureSpec.from_dict(job["spec"]), status="failed", error=error, run_index=run_index
+    )
 
 
 def main() -> int:
@@ -66,16 +86,9 @@ def main() -> int:
         job = json.loads(sys.stdin.read())
         record = run_job(job)
     except Exception as exc:
-        spec = MeasureSpec.from_dict(job["spec"]) if "spec" in job else None
-        if spec is None:
+        if "spec" not in job:
             raise
-        tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]).strip()
-        record = RunRecord(
-            spec=spec,
-            status="failed",
-            error=f"{type(exc).__name__}: {exc}\n{tail}",
-            run_index=int(job.get("run_index", 0)),
-        )
+        record = _failed(job, exc)
     sys.stdout.write(RESULT_PREFIX + json.dumps(record.to_dict()) + "\n")
     sys.stdout.flush()
     return 0 if record.ok else 1

@@ -11,7 +11,16 @@ from gradaccum.check.tolerances import Tolerance
 from gradaccum.errors import EquivalenceError
 from gradaccum.hazards.scanner import Finding
 
-__all__ = ["EquivalenceReport", "ParamRow", "TraceReport"]
+__all__ = ["EquivalenceReport", "ParamRow", "TraceReport", "describe_sizes"]
+
+
+def describe_sizes(sizes: tuple[int, ...] | list[int]) -> str:
+    """Micro-batch sizes in words: ``4 micro-batches of 8 examples``, or the list when they differ."""
+    parts = list(sizes)
+    if parts and len(set(parts)) == 1:
+        n = len(parts)
+        return f"{n} micro-batch{'es' if n != 1 else ''} of {parts[0]} example{'s' if parts[0] != 1 else ''}"
+    return f"micro-batches of {parts} examples"
 
 
 class ParamRow(NamedTuple):
@@ -139,5 +148,6 @@ class TraceReport:
         return (
             f"{verdict}: over {self.steps} steps in {self.dtype}, loss max rel diff "
             f"{self.loss_max_rel_diff:.2e}, gradient-norm max rel diff {self.grad_norm_max_rel_diff:.2e} "
-            f"(tol {self.tol}), {list(self.baseline_sizes)} vs {list(self.candidate_sizes)}"
+            f"(tol {self.tol}), baseline {describe_sizes(self.baseline_sizes)} vs candidate "
+            f"{describe_sizes(self.candidate_sizes)}"
         )

@@ -3,35 +3,54 @@
 Exit codes: 0 when a verdict was reached on correct arithmetic (ADOPT or KEEP BASELINE alike: an
 honest "not faster" is a result, not a failure); 1 when an equivalence check failed (the accumulated
 update does not match the full batch) or, with ``--require-adopt``, when the verdict is not ADOPT;
-2 for bad input, e.g. baseline and candidate at different global batches.
+2 for bad input, e.g. baseline and candidate at different global batches; 3 when the verdict is
+INCONCLUSIVE (the measurement's noise is larger than it could decide; the report says how many runs
+would resolve it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 
 from rich.table import Table
 
 from gradaccum.cli.common import (
     EXIT_FAILED,
+    EXIT_INCONCLUSIVE,
     EXIT_OK,
     add_measure_options,
     console,
     escape,
     finish_launching,
+    int_at_least,
     make_launching,
     mark,
     measure_settings,
     parse_plan,
+    parse_size,
     progress_bar,
     resolve_device,
     resolve_dp,
     rich_table,
     torchrun_leader,
 )
+from gradaccum.errors import BenchError
 
 DEFAULT_BASELINE, DEFAULT_CANDIDATE = "8x4", "4x8"
+
+
+def _norm(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number (0 turns clipping off), got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number >= 0 (0 turns clipping off), got {text!r}"
+        )
+    return None if value == 0 else value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,20 +58,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "accept",
         help="decide whether to adopt an accumulation change (the main job)",
         description="Accept or refuse a change of (micro-batch x accumulation) at a fixed global batch: "
-        "float64 equivalence of both partitionings, production-precision traces, interleaved "
-        "measurement (>= 3 runs each), a verdict with every criterion, and a run folder with the run "
-        "card of the configuration to use. With no arguments: the bundled tiny GPT, 8x4 vs 4x8.",
+        "float64 equivalence of both partitionings (with a denominator audit), production-precision "
+        "traces, memory from the tensors, paired throughput runs (>= 3, both configurations in one "
+        "process, alternating in blocks), a verdict with every criterion and a confidence interval "
+        "(ADOPT, KEEP BASELINE or INCONCLUSIVE), and a run folder with the run card of the "
+        "configuration to use. With no arguments: the bundled tiny GPT, 8x4 vs 4x8. Exit codes: 0 a "
+        "verdict, 1 an equivalence check failed, 2 bad input, 3 inconclusive.",
     )
     p.add_argument(
         "--baseline", default=DEFAULT_BASELINE, help=f"MICROxACCUM in use (default {DEFAULT_BASELINE})"
     )
     p.add_argument(
-        "--candidate", default=DEFAULT_CANDIDATE, help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE})"
+        "--candidate",
+        default=DEFAULT_CANDIDATE,
+        help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same as --baseline checks the noise",
     )
     p.add_argument(
-        "--margin", type=float, default=0.03, help="required median throughput gain (default 0.03)"
+        "--margin", type=float, default=0.03, help="required median throughput gain (default 0.03 = 3%%)"
     )
-    p.add_argument("--trace-steps", type=int, default=8, help="updates in the trace comparison (default 8)")
+    p.add_argument(
+        "--trace-steps",
+        type=int_at_least(1),
+        default=8,
+        help="updates in the production-precision trace comparison (default 8)",
+    )
+    p.add_argument(
+        "--block-updates",
+        type=int_at_least(1),
+        default=5,
+        help="updates per block of a paired run; --steps / this many blocks alternate (default 5)",
+    )
+    p.add_argument(
+        "--max-grad-norm",
+        type=_norm,
+        default=1.0,
+        help="clip each update's gradient as training will (default 1.0, as gradaccum train; 0: off)",
+    )
+    p.add_argument(
+        "--max-consecutive-skips",
+        type=int_at_least(1),
+        default=10,
+        help="the skip limit training will use, recorded in the run card (default 10)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="e.g. 2GiB: name the largest micro-batch that fits, or why none can (default: none)",
+    )
     p.add_argument("--require-adopt", action="store_true", help="exit 1 unless the verdict is ADOPT")
     add_measure_options(p, steps=50)
     p.set_defaults(func=run)
@@ -60,21 +112,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept
-    from gradaccum.bench.report import comm_rows, memory_rows, time_rows
+    from gradaccum.bench.report import comm_rows, memory_lines, memory_rows, time_rows, verdict_lines
     from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
     from gradaccum.check.workload import load_workload
     from gradaccum.runcard import environment
 
     dp = resolve_dp(args.dp)
     device = resolve_device(args.device, dp)
-    spec = AcceptSpec(  # refuses mismatched global batches before anything runs
+    settings = dataclasses.replace(measure_settings(args, device), max_grad_norm=args.max_grad_norm)
+    spec = AcceptSpec(  # refuses mismatched global batches and too-short runs before anything runs
         workload=args.workload,
         baseline=parse_plan(args.baseline, dp),
         candidate=parse_plan(args.candidate, dp),
         margin=args.margin,
         trace_steps=args.trace_steps,
-        settings=measure_settings(args, device),
+        settings=settings,
+        block_updates=args.block_updates,
+        max_consecutive_skips=args.max_consecutive_skips,
+        memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
     )
+    if spec.settings.runs < 3:
+        raise BenchError(f"--runs must be at least 3 (the protocol's minimum), got {spec.settings.runs}")
     workload = load_workload(spec.workload)
     # the checks run in this process before any process group exists (under torchrun too)
     status = "float64 equivalence of both partitionings, then production-precision traces"
@@ -94,38 +152,47 @@ def run(args: argparse.Namespace) -> int:
             )
     finally:
         finish_launching(launching)
+    verdict = result.verdict
     code = EXIT_OK
-    if not result.equivalence_passed or (args.require_adopt and not result.verdict.adopt):
+    if not result.equivalence_passed or (args.require_adopt and not verdict.adopt):
         code = EXIT_FAILED
+    elif verdict.inconclusive:
+        code = EXIT_INCONCLUSIVE
     if not launching.leader:
         return code
     folder = new_run_folder(args.out_dir, "accept")
     write_accept_folder(result, folder)
 
     b, c = spec.baseline, spec.candidate
+    clip = "off" if settings.max_grad_norm is None else f"{settings.max_grad_norm:g}"
     console.print(
         f"baseline {b.label()} vs candidate {c.label()} on {escape(spec.workload)}: global batch "
-        f"{b.global_batch} ({b.equation()}; {c.equation()}); precision {spec.settings.precision}; "
-        f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
+        f"{b.global_batch} ({b.equation()}; {c.equation()}); precision {settings.precision}; clipping at "
+        f"{clip}; device {device}; torch threads per worker: {settings.threads or 'default'}"
+    )
+    console.print(
+        f"throughput: {settings.runs} paired runs, each alternating the two in blocks of "
+        f"{spec.block_updates} updates ({spec.blocks} blocks each, after {settings.warmup} warm-up updates)"
     )
     arms = [result.baseline, result.candidate]
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(arms)))
-    console.print(rich_table("peak memory and gradient all-reduces", memory_rows(arms)))
     console.print(
-        rich_table("communication per update", comm_rows([result.baseline, result.candidate], result.comm))
+        rich_table("memory (from the tensors; CUDA peaks where present) and all-reduces", memory_rows(arms))
     )
-    verdict = Table(title="criteria")
+    for line in memory_lines(result.memory_model, "no memory figures", result.budget_advice):
+        console.print(escape(line))
+    console.print(rich_table("communication per update", comm_rows(arms, result.comm)))
+    table = Table(title="criteria")
     for col in ("criterion", "figure", "result"):
-        verdict.add_column(col)
-    for crit in result.verdict.criteria:
-        verdict.add_row(crit.name, crit.figure, mark(crit.passed))
-    console.print(verdict)
-    colour = "green" if result.verdict.adopt else "yellow"
-    chosen = result.card.plan
-    console.print(
-        f"[bold {colour}]{result.verdict.decision}[/bold {colour}]: run card records {chosen.label()} "
-        f"({chosen.equation()})"
-    )
+        table.add_column(col)
+    for crit in verdict.criteria:
+        table.add_row(crit.name, escape(crit.figure), mark(crit.passed))
+    console.print(table)
+    colour = {"ADOPT": "green", "INCONCLUSIVE": "yellow"}.get(verdict.decision, "yellow")
+    first, *rest = verdict_lines(result)
+    console.print(f"[bold {colour}]{escape(first)}[/bold {colour}]")
+    for line in rest:
+        console.print(escape(line))
     if not result.equivalence_passed:
         console.print("[red]the equivalence checks failed: the accumulated update is wrong, not slow[/red]")
     console.print(f"run folder: {escape(str(folder))}")

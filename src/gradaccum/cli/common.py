@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_WORKLOAD",
     "EXIT_BAD_INPUT",
     "EXIT_FAILED",
+    "EXIT_INCONCLUSIVE",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "Launching",
@@ -59,9 +60,10 @@ __all__ = [
     "yes_no",
 ]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 """0 success; 1 a check that ran and failed, or a run that failed on its own; 2 bad input;
-130 interrupted (128 + SIGINT), as shells and schedulers expect."""
+3 a measurement that could not decide (accept's INCONCLUSIVE); 130 interrupted (128 + SIGINT),
+as shells and schedulers expect."""
 
 # -- the console ---------------------------------------------------------------------------------
 
