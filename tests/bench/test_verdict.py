@@ -132,7 +132,7 @@ def test_a_tight_a_a_comparison_keeps_the_baseline_and_a_noisy_one_never_adopts(
         assert not verdict(paired=pairs(0.0, 0.08, seed=seed)).adopt
 
 
-def test_the_interval_is_deterministic_and_blocked_by_run() -> None:
+def test_the_interval_is_deterministic_and_takes_the_runs_as_replicates() -> None:
     data = pairs(0.05, 0.1)
     assert gain_interval(data) == gain_interval(data)
     # the same pairs in one run, or split over runs that differ from each other: the spread between

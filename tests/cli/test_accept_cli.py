@@ -158,3 +158,20 @@ def test_the_card_carries_the_training_settings_and_train_runcard_takes_them(
     assert main(["train", "--runcard", str(card_path), "--steps", "2", "--run-dir", str(run_dir)]) == 0
     trained = read_runcard(run_dir / "runcard.json")
     assert trained.accum.max_grad_norm == 0.5 and trained.accum.max_consecutive_skips == 4
+
+
+@pytest.mark.parametrize("command", ["accept", "bench"])
+def test_a_plan_that_cannot_fit_is_refused_up_front_with_the_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    out = tmp_path / "runs"
+    plans = (
+        ["--baseline", "1000000x1", "--candidate", "1x1000000"]
+        if command == "accept"
+        else ["--global-batch", "1000000", "--configs", "1000000x1"]
+    )
+    assert main([command, *plans, "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "plan 1000000x1" in err and "needs about" in err and "free" in err
+    assert "activations of a micro-batch of 1,000,000" in err and "Traceback" not in err
+    assert not out.exists()

@@ -293,8 +293,9 @@ def accept_markdown(result: AcceptResult) -> str:
         f"{settings.warmup} warm-up updates of each, the two alternate in blocks of {spec.block_updates} "
         f"updates (baseline, candidate; candidate, baseline; ...), {spec.blocks} blocks each. A block pair's "
         "ratio (candidate over baseline throughput on the same examples) is taken from adjacent blocks, "
-        "so drift in the machine's speed lands on both sides of it; the gain is the median ratio, and its "
-        "95% interval a bootstrap that resamples runs, then pairs within them.",
+        "so drift in the machine's speed lands on both sides of it. The gain is the median ratio; its 95% "
+        "interval takes the runs as the independent replicates (a Student-t interval of the runs' median "
+        "ratios, wide with three runs), since pairs within one process are not independent.",
         "",
         "Memory: a short run of each configuration in a fresh process. Persistent bytes (parameters, "
         "gradients, optimizer state) and activation bytes (what one micro-batch's forward saves for "

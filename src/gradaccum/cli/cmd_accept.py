@@ -31,6 +31,7 @@ from gradaccum.cli.common import (
     parse_plan,
     parse_size,
     progress_bar,
+    refuse_what_cannot_fit,
     resolve_device,
     resolve_dp,
     rich_table,
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if spec.settings.runs < 3:
         raise BenchError(f"--runs must be at least 3 (the protocol's minimum), got {spec.settings.runs}")
     workload = load_workload(spec.workload)
+    refuse_what_cannot_fit(workload, [spec.baseline, spec.candidate], settings.precision, device, check=True)
     # the checks run in this process before any process group exists (under torchrun too)
     status = "float64 equivalence of both partitionings, then production-precision traces"
     with console.status(status) if torchrun_leader() else contextlib.nullcontext():

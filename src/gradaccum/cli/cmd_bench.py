@@ -16,6 +16,7 @@ from gradaccum.cli.common import (
     parse_plan,
     parse_size,
     progress_bar,
+    refuse_what_cannot_fit,
     resolve_device,
     resolve_dp,
     rich_table,
@@ -64,8 +65,11 @@ def run(args: argparse.Namespace) -> int:
         memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
     )
     # workers import the workload themselves; loading it here first turns a workload that cannot load
-    # into exit 2 naming the problem, before any worker is spawned or the run folder is made
-    load_workload(spec.workload)
+    # (or a plan that cannot fit) into exit 2 naming the problem, before any worker is spawned
+    workload = load_workload(spec.workload)
+    refuse_what_cannot_fit(
+        workload, [s.plan for s in spec.measure_specs()], spec.settings.precision, device, check=False
+    )
     launching = make_launching(dp, args.timeout)
     try:
         with progress_bar(args.progress and launching.leader) as on_progress:

@@ -40,6 +40,7 @@ __all__ = [
     "Launching",
     "add_measure_options",
     "add_workload_option",
+    "available_memory_bytes",
     "console",
     "default_threads",
     "escape",
@@ -51,6 +52,7 @@ __all__ = [
     "parse_plan",
     "parse_size",
     "progress_bar",
+    "refuse_what_cannot_fit",
     "render_findings",
     "resolve_device",
     "resolve_dp",
@@ -219,6 +221,56 @@ def measure_settings(args: argparse.Namespace, device: str) -> MeasureSettings:
         bucket_cap_mb=args.bucket_cap_mb,
         seed=args.seed,
     )
+
+
+# -- memory up front -----------------------------------------------------------------------------
+
+
+def available_memory_bytes(device: str) -> int | None:
+    """Memory this machine can still give: free CUDA memory on a GPU, ``MemAvailable`` on a Linux
+    host (the CLI reads the machine; core code never does). ``None`` when it cannot tell."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def refuse_what_cannot_fit(
+    workload: Any, plans: Sequence[BatchPlan], precision: str, device: str, *, check: bool
+) -> None:
+    """Estimate each plan from one example of ``workload`` (see :mod:`gradaccum.bench.estimate`) and
+    refuse, before any work starts, a plan whose estimate exceeds what the machine has free."""
+    from gradaccum.bench.estimate import estimate, probe
+
+    available = available_memory_bytes(device)
+    if available is None:
+        return
+    figures = probe(workload, precision=precision, device=device)
+    for plan in plans:
+        guess = estimate(figures, plan, check=check)
+        if guess.total_bytes > available:
+            where = "this GPU has" if device.startswith("cuda") else "this machine has"
+            raise PlanError(
+                f"plan {plan.label()} ({plan.equation()}) needs {guess.describe()}, but {where} "
+                f"{_fmt_bytes(available)} free. Use a smaller --global-batch or micro-batch (activation "
+                "checkpointing shrinks the activation term, sharding the persistent one)."
+            )
+
+
+def _fmt_bytes(value: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
 
 
 # -- launching measurements ----------------------------------------------------------------------
