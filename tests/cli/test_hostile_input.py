@@ -95,7 +95,20 @@ OUTPUT_FLAGS = {"train": "--run-dir", "accept": "--out-dir", "bench": "--out-dir
 # The smallest run of the measuring commands, so that a command that fails late still fails fast;
 # --timeout bounds each worker process well inside pytest's per-test timeout.
 QUICK = {
-    "accept": ["--runs", "3", "--steps", "4", "--block-updates", "1", "--warmup", "0", "--trace-steps", "1", "--timeout", "60"],
+    "accept": [
+        "--runs",
+        "3",
+        "--steps",
+        "4",
+        "--block-updates",
+        "1",
+        "--warmup",
+        "0",
+        "--trace-steps",
+        "1",
+        "--timeout",
+        "60",
+    ],
     "bench": ["--global-batch", "8", "--configs", "8x1", "--runs", "1", "--steps", "1", "--timeout", "60"],
     "train": ["--steps", "2", "--global-batch", "8", "--micro-batch", "2"],
 }
