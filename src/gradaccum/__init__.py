@@ -32,15 +32,19 @@ _EXPORTS: dict[str, str] = {
     "count_tokens": "gradaccum.loss",
     "count_examples": "gradaccum.loss",
     "summed_cross_entropy": "gradaccum.loss",
+    "CausalLMLoss": "gradaccum.loss",
+    "pack": "gradaccum.packing",
     # the checks
     "verify": "gradaccum.check.equivalence",
     "verify_workload": "gradaccum.check.equivalence",
+    "verify_packed": "gradaccum.check.packed",
     "compare_traces": "gradaccum.check.traces",
     "scan": "gradaccum.hazards.scanner",
     "guard": "gradaccum.hazards.sanitizer",
     "Workload": "gradaccum.check.workload",
     # their reports
     "EquivalenceReport": "gradaccum.check.report",
+    "PackedReport": "gradaccum.check.packed",
     "TraceReport": "gradaccum.check.report",
     "Finding": "gradaccum.hazards.scanner",
     # the errors a caller catches (every class is in gradaccum.errors)
@@ -64,6 +68,7 @@ __all__ = [
     "AdaptiveMicroBatch",
     "BatchPlan",
     "CachedAccumulator",
+    "CausalLMLoss",
     "ConfigError",
     "CountError",
     "EquivalenceError",
@@ -71,6 +76,7 @@ __all__ = [
     "Finding",
     "GradAccumError",
     "LossError",
+    "PackedReport",
     "PlanError",
     "RankFailedError",
     "StepResult",
@@ -86,11 +92,13 @@ __all__ = [
     "count_examples",
     "count_tokens",
     "guard",
+    "pack",
     "scan",
     "split",
     "step_adaptive",
     "summed_cross_entropy",
     "verify",
+    "verify_packed",
     "verify_workload",
     "windows",
 ]
@@ -100,6 +108,7 @@ if TYPE_CHECKING:
     from gradaccum.batch import split
     from gradaccum.cache.accumulator import CachedAccumulator
     from gradaccum.check.equivalence import verify, verify_workload
+    from gradaccum.check.packed import PackedReport, verify_packed
     from gradaccum.check.report import EquivalenceReport, TraceReport
     from gradaccum.check.traces import compare_traces
     from gradaccum.check.workload import Workload
@@ -119,7 +128,8 @@ if TYPE_CHECKING:
     )
     from gradaccum.hazards.sanitizer import guard
     from gradaccum.hazards.scanner import Finding, scan
-    from gradaccum.loss import count_examples, count_tokens, summed_cross_entropy
+    from gradaccum.loss import CausalLMLoss, count_examples, count_tokens, summed_cross_entropy
+    from gradaccum.packing import pack
     from gradaccum.plan import BatchPlan, windows
     from gradaccum.step.accumulator import Accumulator
     from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive

@@ -29,6 +29,7 @@ from gradaccum.cli.common import (
     resolve_dp,
     rich_table,
     torchrun_leader,
+    workload_spec,
 )
 
 DEFAULT_BASELINE, DEFAULT_CANDIDATE = "8x4", "4x8"
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     dp = resolve_dp(args.dp)
     device = resolve_device(args.device, dp)
     spec = AcceptSpec(  # refuses mismatched global batches before anything runs
-        workload=args.workload,
+        workload=workload_spec(args),
         baseline=parse_plan(args.baseline, dp),
         candidate=parse_plan(args.candidate, dp),
         margin=args.margin,
