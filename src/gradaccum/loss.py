@@ -113,7 +113,7 @@ class _Targets(NamedTuple):
     unit: torch.Tensor | None
     """Int64, same shape: each target's unit (row * seq + document); None for tokens."""
     first: torch.Tensor | None
-    """Bool, same shape: the targets of each row's first unit; None for tokens."""
+    """Bool, same shape: the targets of each row's first document; None without documents."""
     slots: int
     """An upper bound on the unit indices (rows * seq)."""
     segments: torch.Tensor | None
@@ -261,21 +261,20 @@ class CausalLMLoss:
         if same is not None:
             valid = valid & same
         masked = aligned if same is None else aligned.masked_fill(~valid, self.ignore_index)
-        unit = first = None
+        unit = None
         if self.normalization != "token":
             row = torch.arange(rows, device=labels.device).unsqueeze(1) * seq
-            if self.normalization == "document" and owner is not None:
-                unit, first = row + owner, owner == 0
-            else:
-                unit = row.expand(aligned.shape)
-                first = torch.ones(aligned.shape, dtype=torch.bool, device=labels.device)
+            use_documents = self.normalization == "document" and owner is not None
+            unit = row + owner if use_documents else row.expand(aligned.shape)
+        # what a row whose positions do not start at 0 continues: its first document's targets
+        first = None if owner is None else owner == 0
         return _Targets(masked, valid, unit, first, rows * seq, segments)
 
     def _refuse_continued(self, micro_batch: Any, targets: _Targets) -> None:
         """A row whose positions do not start at 0 continues a unit from another row: refuse it
-        when its first unit has a target (the padding of a left-padded row has none)."""
+        when its first document has a target (the padding of a left-padded row has none)."""
         positions = micro_batch.get("position_ids")
-        if positions is None or targets.first is None:
+        if positions is None or targets.first is None or targets.unit is None:
             return
         if positions.ndim == 1:
             positions = positions.unsqueeze(0)
