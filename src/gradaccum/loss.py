@@ -264,8 +264,10 @@ class CausalLMLoss:
         unit = None
         if self.normalization != "token":
             row = torch.arange(rows, device=labels.device).unsqueeze(1) * seq
-            use_documents = self.normalization == "document" and owner is not None
-            unit = row + owner if use_documents else row.expand(aligned.shape)
+            if self.normalization == "document" and owner is not None:
+                unit = row + owner
+            else:
+                unit = row.expand(aligned.shape)
         # what a row whose positions do not start at 0 continues: its first document's targets
         first = None if owner is None else owner == 0
         return _Targets(masked, valid, unit, first, rows * seq, segments)

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-WORDS = (
-    "the a cat dog sat ran on under mat box far near home away birds fly high low red blue green "
-    "old new small big quick slow jumps sleeps eats reads writes sings tree river hill road"
-).split()
+_VOCABULARY = """the a cat dog sat ran on under mat box far near home away birds fly high low red blue green
+old new small big quick slow jumps sleeps eats reads writes sings tree river hill road"""
+WORDS = tuple(_VOCABULARY.split())
 
 
 def texts(n: int = 24, seed: int = 0) -> list[str]:

@@ -194,7 +194,7 @@ def add_data_options(p: argparse.ArgumentParser) -> None:
         type=int_at_least(2),
         metavar="N",
         help="tokens per row; longer documents are cut into documents of their own "
-        f"(default {DEFAULT_SEQ_LEN})",
+        f"(default {DEFAULT_SEQ_LEN}, or the model's max_position_embeddings if shorter)",
     )
     g.add_argument(
         "--pack",
@@ -255,7 +255,7 @@ def workload_spec(args: argparse.Namespace) -> str:
         model_dir=spec[len(HF_PREFIX) :],
         data=str(args.data),
         text_field=args.text_field if args.text_field is not None else DEFAULT_TEXT_FIELD,
-        seq_len=args.seq_len if args.seq_len is not None else DEFAULT_SEQ_LEN,
+        seq_len=args.seq_len,
         pack=bool(args.pack),
         normalization=args.normalization if args.normalization is not None else "token",
     )

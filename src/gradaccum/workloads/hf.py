@@ -29,7 +29,7 @@ from gradaccum.errors import GradAccumError, WorkloadError
 from gradaccum.loss import CausalLMLoss
 from gradaccum.packing import Packed, pack, pad, pieces
 from gradaccum.workloads.data import read_documents
-from gradaccum.workloads.spec import HFSpec
+from gradaccum.workloads.spec import DEFAULT_SEQ_LEN, HFSpec
 
 __all__ = ["EXTRA", "INIT_SEED", "hf_workload"]
 
@@ -153,13 +153,21 @@ def _tokenize(tokenizer: Any, texts: list[str], data: str) -> list[list[int]]:
     return documents
 
 
-def _check_fits(config: Any, spec: HFSpec, documents: list[list[int]], folder: Path) -> None:
+def _seq_len(config: Any, spec: HFSpec, folder: Path) -> int:
+    """The spec's row length, or the default capped at the model's positions; refuses a longer one."""
     limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and spec.seq_len > limit:
+    limit = limit if isinstance(limit, int) and limit >= 2 else None
+    if spec.seq_len is None:
+        return DEFAULT_SEQ_LEN if limit is None else min(DEFAULT_SEQ_LEN, limit)
+    if limit is not None and spec.seq_len > limit:
         raise WorkloadError(
             f"--seq-len {spec.seq_len} is longer than the model's max_position_embeddings={limit} "
             f"({str(folder)!r}); use --seq-len {limit} or less"
         )
+    return spec.seq_len
+
+
+def _check_vocab(config: Any, documents: list[list[int]], folder: Path) -> None:
     vocab = getattr(config, "vocab_size", None)
     top = max(max(doc) for doc in documents)
     if isinstance(vocab, int) and top >= vocab:
@@ -196,12 +204,13 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
         tokenizer = _load_tokenizer(transformers, folder)
         config = _load_config(transformers, folder)
     documents = _tokenize(tokenizer, texts, spec.data)
-    _check_fits(config, spec, documents, folder)
+    seq_len = _seq_len(config, spec, folder)
+    _check_vocab(config, documents, folder)
     pad_id = next(
         (i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(i, int) and i >= 0), 0
     )
-    docs = pieces(documents, spec.seq_len, "split").docs  # what the rows hold: the packed check's input
-    layout: Packed = (pack if spec.pack else pad)(documents, spec.seq_len, pad_id=pad_id)
+    docs = pieces(documents, seq_len, "split").docs  # what the rows hold: the packed check's input
+    layout: Packed = (pack if spec.pack else pad)(documents, seq_len, pad_id=pad_id)
     loss = CausalLMLoss(spec.normalization, mask_documents=True)
     model_type = getattr(config, "model_type", type(config).__name__)
     origin = "weights" if weights else f"config only, seeded init {INIT_SEED}"
@@ -220,7 +229,7 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
         ),
         extras={
             "documents": tuple(tuple(doc) for doc in docs),
-            "seq_len": spec.seq_len,
+            "seq_len": seq_len,
             "pad_id": pad_id,
             "loss": loss,
             "layout": layout,

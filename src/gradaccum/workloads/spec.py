@@ -33,8 +33,9 @@ class HFSpec:
     """A local ``.txt`` (one document per non-empty line) or ``.jsonl`` (one JSON object per line)."""
     text_field: str = DEFAULT_TEXT_FIELD
     """The ``.jsonl`` field that holds each document's text."""
-    seq_len: int = DEFAULT_SEQ_LEN
-    """Tokens per row; longer documents are cut into row-sized documents of their own."""
+    seq_len: int | None = None
+    """Tokens per row; longer documents are cut into row-sized documents of their own. ``None``:
+    ``DEFAULT_SEQ_LEN``, or the model's ``max_position_embeddings`` where that is shorter."""
     pack: bool = False
     """Pack documents into rows (position_ids restart per document) instead of one per row."""
     normalization: Normalization = "token"
@@ -47,7 +48,8 @@ class HFSpec:
             raise WorkloadError(
                 f"normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}"
             )
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
+        bad = isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2
+        if self.seq_len is not None and bad:
             raise WorkloadError(
                 f"seq_len must be an integer >= 2 (a row of 1 token has no target), got {self.seq_len!r}"
             )
@@ -59,12 +61,11 @@ class HFSpec:
         query = {
             "data": self.data if self.data is not None else "",
             "text_field": self.text_field,
-            "seq_len": str(self.seq_len),
+            "seq_len": "" if self.seq_len is None else str(self.seq_len),
             "pack": "1" if self.pack else "0",
             "normalization": self.normalization,
         }
-        if self.data is None:
-            del query["data"]
+        query = {key: value for key, value in query.items() if value != ""}
         return f"{HF_PREFIX}{quote(self.model_dir, safe='/:')}?{urlencode(query, safe='/:')}"
 
     def with_absolute_paths(self) -> HFSpec:
@@ -92,8 +93,8 @@ class HFSpec:
             raise WorkloadError(
                 f"workload {spec!r} has unknown setting(s) {unknown}; an hf: spec takes {list(_KEYS)}"
             )
-        seq_len = settings.get("seq_len", str(DEFAULT_SEQ_LEN))
-        if not seq_len.isdigit():
+        seq_len = settings.get("seq_len")
+        if seq_len is not None and not seq_len.isdigit():
             raise WorkloadError(f"workload {spec!r}: seq_len must be an integer, got {seq_len!r}")
         pack = settings.get("pack", "0")
         if pack not in ("0", "1"):
@@ -108,7 +109,7 @@ class HFSpec:
             model_dir=unquote(path),
             data=settings.get("data") or None,
             text_field=settings.get("text_field", DEFAULT_TEXT_FIELD),
-            seq_len=int(seq_len),
+            seq_len=None if seq_len is None else int(seq_len),
             pack=pack == "1",
             normalization=normalization,  # type: ignore[arg-type]
         )
