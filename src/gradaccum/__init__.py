@@ -32,16 +32,20 @@ _EXPORTS: dict[str, str] = {
     "count_tokens": "gradaccum.loss",
     "count_examples": "gradaccum.loss",
     "summed_cross_entropy": "gradaccum.loss",
+    "CausalLMLoss": "gradaccum.loss",
+    "pack": "gradaccum.packing",
     # the checks
     "verify": "gradaccum.check.equivalence",
     "verify_workload": "gradaccum.check.equivalence",
     "audit_count": "gradaccum.check.audit",
+    "verify_packed": "gradaccum.check.packed",
     "compare_traces": "gradaccum.check.traces",
     "scan": "gradaccum.hazards.scanner",
     "guard": "gradaccum.hazards.sanitizer",
     "Workload": "gradaccum.check.workload",
     # their reports
     "EquivalenceReport": "gradaccum.check.report",
+    "PackedReport": "gradaccum.check.packed",
     "TraceReport": "gradaccum.check.report",
     "Finding": "gradaccum.hazards.scanner",
     # the errors a caller catches (every class is in gradaccum.errors)
@@ -65,6 +69,7 @@ __all__ = [
     "AdaptiveMicroBatch",
     "BatchPlan",
     "CachedAccumulator",
+    "CausalLMLoss",
     "ConfigError",
     "CountError",
     "EquivalenceError",
@@ -72,6 +77,7 @@ __all__ = [
     "Finding",
     "GradAccumError",
     "LossError",
+    "PackedReport",
     "PlanError",
     "RankFailedError",
     "StepResult",
@@ -88,11 +94,13 @@ __all__ = [
     "count_examples",
     "count_tokens",
     "guard",
+    "pack",
     "scan",
     "split",
     "step_adaptive",
     "summed_cross_entropy",
     "verify",
+    "verify_packed",
     "verify_workload",
     "windows",
 ]
@@ -103,6 +111,7 @@ if TYPE_CHECKING:
     from gradaccum.cache.accumulator import CachedAccumulator
     from gradaccum.check.audit import audit_count
     from gradaccum.check.equivalence import verify, verify_workload
+    from gradaccum.check.packed import PackedReport, verify_packed
     from gradaccum.check.report import EquivalenceReport, TraceReport
     from gradaccum.check.traces import compare_traces
     from gradaccum.check.workload import Workload
@@ -122,7 +131,8 @@ if TYPE_CHECKING:
     )
     from gradaccum.hazards.sanitizer import guard
     from gradaccum.hazards.scanner import Finding, scan
-    from gradaccum.loss import count_examples, count_tokens, summed_cross_entropy
+    from gradaccum.loss import CausalLMLoss, count_examples, count_tokens, summed_cross_entropy
+    from gradaccum.packing import pack
     from gradaccum.plan import BatchPlan, windows
     from gradaccum.step.accumulator import Accumulator
     from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive

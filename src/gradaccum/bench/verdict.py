@@ -168,8 +168,8 @@ class Verdict:
         }
 
 
-def _tokens(base: ArmFigures, cand: ArmFigures) -> Criterion:
-    name = "global valid tokens per update equal"
+def _tokens(base: ArmFigures, cand: ArmFigures, unit: str) -> Criterion:
+    name = f"global valid {unit} per update equal"
     b, c = base.tokens_per_update, cand.tokens_per_update
     if not b or not c:
         return Criterion(name=name, passed=False, figure="no measured updates to compare")
@@ -389,7 +389,7 @@ def decide(
     require_int("min_runs", min_runs, error=BenchError)
     throughput, interval_ok, gain, interval = _throughput(baseline, candidate, paired, margin, min_runs, unit)
     accounting = (
-        _tokens(baseline, candidate),
+        _tokens(baseline, candidate, unit),
         _updates(baseline, candidate),
         _params(params),
         _trace(trace),

@@ -17,6 +17,7 @@ look like a miscount; pass ``audit=False`` to ``verify`` for such losses.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -109,6 +110,16 @@ def _diagnose(counted: int, used: int, rows: int, rows_used: int, ndim: int) -> 
     )
 
 
+def _declared_positions(count_fn: Callable[[Any], Any], micro_batch: Any) -> int | None:
+    """The target positions a count function's owner declares (``CausalLMLoss.positions``), if any."""
+    owner = getattr(inspect.unwrap(count_fn), "__self__", None)  # through functools.wraps layers
+    positions = getattr(owner, "positions", None)
+    if not callable(positions):
+        return None
+    value = positions(micro_batch)
+    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+
+
 def audit_count(
     model: nn.Module,
     micro_batch: Any,
@@ -155,6 +166,23 @@ def audit_count(
     rows = int(out.shape[0])
     rows_used = int(touched.reshape(rows, -1).any(dim=1).sum().item()) if out.ndim >= 2 else rows
     shape = tuple(int(s) for s in out.shape)
+    declared = _declared_positions(count_fn, micro_batch)
+    if declared is not None:
+        # a count of sequences or documents over weighted token losses: the units are not positions,
+        # but the loss must still reach exactly the target positions it declares
+        if used == declared:
+            return CountAudit(status="consistent", counted=counted, used=used, rows=rows, output_shape=shape)
+        return CountAudit(
+            status="mismatch",
+            counted=counted,
+            used=used,
+            rows=rows,
+            output_shape=shape,
+            reason=(
+                f"the loss declares {declared} target positions but the model's output receives a gradient "
+                f"at {used}: its logits are not aligned with the labels (already shifted? set shift=False)"
+            ),
+        )
     if used == counted:
         return CountAudit(status="consistent", counted=counted, used=used, rows=rows, output_shape=shape)
     return CountAudit(
@@ -176,5 +204,10 @@ def summarize_audits(audits: Sequence[CountAudit]) -> str:
         return mismatch.reason
     if all(a.status == "consistent" for a in audits):
         counted = sum(a.counted or 0 for a in audits)
-        return f"consistent: count_fn counts exactly the {counted} positions the loss uses"
+        used = sum(a.used or 0 for a in audits)
+        if counted == used:
+            return f"consistent: count_fn counts exactly the {counted} positions the loss uses"
+        return (
+            f"consistent: the loss reaches exactly its {used} target positions, over {counted} counted units"
+        )
     return next(a.reason for a in audits if a.status == "not audited")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,35 +35,89 @@ def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+def _doc(text: str) -> dict[str, str]:
+    """A field's documentation, kept where ``help(Workload)`` shows it (see :func:`_document_fields`)."""
+    return {"doc": text}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Workload:
-    """A model factory, a source of examples, and the loss and count that define the objective."""
+    """A model factory, a source of examples, and the loss and count that define the objective.
 
-    name: str
-    """Short name shown in reports."""
-    build_model: Callable[[], nn.Module]
-    """Returns a fresh model with the same initial weights on every call."""
-    make_batch: Callable[[int, int], Batch]
-    """``make_batch(n_examples, seed)``: ``n_examples`` examples sharing dim 0, deterministic in
-    ``seed``. Seed 0 is the verification batch; training and benchmarks draw further seeds."""
-    loss_fn: LossFn
-    """``loss_fn(model, micro_batch)``: the loss summed over the counted units."""
-    count_fn: CountFn
-    """``count_fn(micro_batch)``: how many units ``loss_fn`` sums over."""
-    optimizer_factory: OptimizerFactory = sgd
-    """Builds the optimizer from the model's parameters."""
-    batch_size: int = 8
-    """Examples in the verification batch."""
-    micro_batch: int = 2
-    """Default micro-batch for verification."""
-    unit: str = "tokens"
-    """What ``count_fn`` counts, for reports ("tokens", "examples")."""
-    description: str = ""
-    """One line on what the workload is and what it should show."""
-    declared_hazards: tuple[str, ...] = ()
-    """Batch couplings the scan cannot see in the modules, e.g. ``("in-batch-negatives",)``."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Workload-specific objects other front ends may use (e.g. an encoder call for caching)."""
+    Every command takes one (``--workload MODULE:FUNCTION``, a function of no arguments returning
+    a Workload; or ``--workload hf:MODEL_DIR --data FILE``). The contract:
+
+    * ``make_batch(n_examples, seed)`` returns ``n_examples`` examples: a tensor, or a tuple, list or
+      mapping of tensors that share dim 0, the same for the same seed. gradaccum cuts it into
+      micro-batches along dim 0 (``gradaccum.split``), so each example must stand alone: a sequence
+      or document must not continue in another example.
+    * ``loss_fn(model, micro_batch)`` returns the loss **summed** over the micro-batch's counted
+      units (``reduction="sum"``), not their mean. The step divides once by N, the window's count
+      over every micro-batch and rank, agreed before the first backward: the full-batch mean is
+      (1/N) sum_j sum_{t in B_j} l_t, so each micro-batch must hand over its sum. A mean divided
+      by k weighs a micro-batch of few units like one of many (a mean of means), and the mean of
+      an all-padding micro-batch is NaN where its sum is an exact 0.
+    * ``count_fn(micro_batch)`` returns how many units that sum covers (an int or an integer tensor);
+      counts add up over micro-batches to the whole batch's count.
+    * The shift: transformers' causal LMs take ``labels`` equal to ``input_ids`` and predict
+      token t+1 from position t, so a row of L tokens has L - 1 targets. Count and sum with
+      ``shift=True`` (``count_tokens("labels", shift=True)``, ``summed_cross_entropy(..., shift=True)``,
+      or ``gradaccum.CausalLMLoss``); counting the unshifted labels counts one target too many per row.
+
+    >>> def my_workload() -> gradaccum.Workload:
+    ...     loss = gradaccum.CausalLMLoss("token")
+    ...     return gradaccum.Workload(
+    ...         name="my-lm", build_model=build, make_batch=batches,
+    ...         loss_fn=loss.loss_fn, count_fn=loss.count_fn, unit=loss.unit)
+
+    The README's "Workloads" section has a complete, runnable example.
+    """
+
+    name: str = field(metadata=_doc("Short name shown in reports."))
+    build_model: Callable[[], nn.Module] = field(
+        metadata=_doc(
+            "Returns a fresh model with the same initial weights on every call (seed inside, e.g. "
+            "torch.manual_seed in a torch.random.fork_rng block); the checks compare two of them."
+        )
+    )
+    make_batch: Callable[[int, int], Batch] = field(
+        metadata=_doc(
+            "make_batch(n_examples, seed): n_examples examples sharing dim 0, deterministic in seed. "
+            "Seed 0 is the verification batch; training and benchmarks draw further seeds."
+        )
+    )
+    loss_fn: LossFn = field(
+        metadata=_doc(
+            "loss_fn(model, micro_batch): the loss SUMMED over the micro-batch's counted units (a 0-dim "
+            "tensor that requires grad); the step divides by the window's global count."
+        )
+    )
+    count_fn: CountFn = field(
+        metadata=_doc("count_fn(micro_batch): how many units loss_fn sums over (int or integer tensor).")
+    )
+    optimizer_factory: OptimizerFactory = field(
+        default=sgd, metadata=_doc("Builds the optimizer from the model's parameters (default SGD, lr 0.1).")
+    )
+    batch_size: int = field(default=8, metadata=_doc("Examples in the verification batch."))
+    micro_batch: int = field(default=2, metadata=_doc("Default micro-batch for verification."))
+    unit: str = field(
+        default="tokens",
+        metadata=_doc('What count_fn counts, for reports ("tokens", "sequences", "documents", "examples").'),
+    )
+    description: str = field(
+        default="", metadata=_doc("One line on what the workload is and what it should show.")
+    )
+    declared_hazards: tuple[str, ...] = field(
+        default=(),
+        metadata=_doc('Batch couplings the scan cannot see in the modules, e.g. ("in-batch-negatives",).'),
+    )
+    extras: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "Workload-specific objects other front ends may use: encode_fn and rep_loss_fn for "
+            "verify --cached; documents (token-id sequences), seq_len and pad_id for verify --packed."
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("build_model", "make_batch", "loss_fn", "count_fn", "optimizer_factory"):
@@ -76,11 +131,40 @@ class Workload:
         return self.make_batch(self.batch_size, seed)
 
 
+def _document_fields(cls: type) -> None:
+    """Append each field's documentation to the class docstring, so that ``help()`` shows it."""
+    lines = ["", "    Fields:", ""]
+    for f in dataclasses.fields(cls):
+        default = (
+            ""
+            if f.default is dataclasses.MISSING
+            else f", default {getattr(f.default, '__name__', repr(f.default))}"
+        )
+        if f.default_factory is not dataclasses.MISSING:
+            default = ", default empty"
+        lines.append(f"    {f.name} ({f.type}{default})")
+        lines.append(textwrap.fill(f.metadata["doc"], 100, initial_indent=" " * 8, subsequent_indent=" " * 8))
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
+
+
+_document_fields(Workload)
+
+
+HF_PREFIX = "hf:"
+"""Specs starting with this name a model folder and a data file (:mod:`gradaccum.workloads`)."""
+
+
 def load_workload(spec: str) -> Workload:
-    """Import ``MODULE:FUNCTION``, call it, and check that it returned a :class:`Workload`."""
+    """Import ``MODULE:FUNCTION``, call it, and check that it returned a :class:`Workload`; or build
+    the workload an ``hf:MODEL_DIR?data=FILE&...`` spec names (:mod:`gradaccum.workloads`)."""
+    if isinstance(spec, str) and spec.startswith(HF_PREFIX):
+        from gradaccum.workloads import load_hf_workload
+
+        return _wrapped(spec, load_hf_workload(spec))
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise WorkloadError(
-            f"workload must be written MODULE:FUNCTION (e.g. gradaccum.examples:tiny_gpt), got {spec!r}"
+            f"workload must be written MODULE:FUNCTION (e.g. gradaccum.examples:tiny_gpt) or "
+            f"hf:MODEL_DIR (with --data FILE), got {spec!r}"
         )
     module_name, func_name = spec.split(":")
     try:
@@ -98,6 +182,10 @@ def load_workload(spec: str) -> Workload:
         raise WorkloadError(
             f"workload {spec} returned {type(workload).__name__}; it must return gradaccum.Workload"
         )
+    return _wrapped(spec, workload)
+
+
+def _wrapped(spec: str, workload: Workload) -> Workload:
     wrapped: dict[str, Any] = {name: _reported(spec, name, getattr(workload, name)) for name in _USER_CODE}
     return dataclasses.replace(workload, **wrapped)
 

@@ -36,6 +36,7 @@ from gradaccum.cli.common import (
     resolve_dp,
     rich_table,
     torchrun_leader,
+    workload_spec,
 )
 from gradaccum.errors import BenchError
 
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device, dp)
     settings = dataclasses.replace(measure_settings(args, device), max_grad_norm=args.max_grad_norm)
     spec = AcceptSpec(  # refuses mismatched global batches and too-short runs before anything runs
-        workload=args.workload,
+        workload=workload_spec(args),
         baseline=parse_plan(args.baseline, dp),
         candidate=parse_plan(args.candidate, dp),
         margin=args.margin,

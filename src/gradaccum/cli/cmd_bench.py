@@ -20,6 +20,7 @@ from gradaccum.cli.common import (
     resolve_device,
     resolve_dp,
     rich_table,
+    workload_spec,
 )
 
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.configs:
         plans = tuple(parse_plan(t, dp) for t in args.configs.split(",") if t.strip())
     spec = SweepSpec(
-        workload=args.workload,
+        workload=workload_spec(args),
         global_batch=args.global_batch,
         dp=dp,
         plans=plans,

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from gradaccum.cli.common import add_workload_option, console, escape, int_at_least, render_findings
+from gradaccum.cli.common import (
+    add_workload_option,
+    console,
+    escape,
+    int_at_least,
+    render_findings,
+    workload_spec,
+)
 from gradaccum.errors import PlanError
 
 
@@ -39,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from gradaccum.check.workload import load_workload
     from gradaccum.hazards.scanner import scan
 
-    workload = load_workload(args.workload)
+    workload = load_workload(workload_spec(args))
     micro = args.micro_batch if args.micro_batch is not None else workload.micro_batch
     if args.accum_steps is not None:
         k = args.accum_steps

@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradaccum.cli.common import DEFAULT_WORKLOAD, EXIT_FAILED, EXIT_OK, console, escape
+from gradaccum.cli.common import (
+    DEFAULT_WORKLOAD,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_data_options,
+    console,
+    escape,
+    workload_spec,
+)
 from gradaccum.distributed import dist
 from gradaccum.errors import PlanError, TooManySkipsError, TrainError
 from gradaccum.plan import BatchPlan
@@ -53,7 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "fits the bundled tiny GPT; under torchrun the same command runs data-parallel.",
     )
     what = p.add_argument_group("what to train")
-    what.add_argument("--workload", metavar="MODULE:FUNCTION", help=f"(default {DEFAULT_WORKLOAD})")
+    what.add_argument(
+        "--workload",
+        metavar="MODULE:FUNCTION",
+        help=f"or hf:MODEL_DIR with --data (default {DEFAULT_WORKLOAD})",
+    )
     what.add_argument("--runcard", type=Path, help="train exactly the plan/precision/accum of this run card")
     what.add_argument(
         "--global-batch", type=int, help=f"examples per optimizer step (default {DEFAULT_GLOBAL_BATCH})"
@@ -101,6 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--keep-checkpoints", type=int, default=2)
     where.add_argument("--eval-every", type=int, help="evaluate every N boundaries (default: never)")
     where.add_argument("--eval-examples", type=int, default=64)
+    add_data_options(p)
     p.set_defaults(func=run)
 
 
@@ -418,6 +431,7 @@ def _fmt(value: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     from gradaccum.train.loop import TrainControl, train
 
+    workload_spec(args)  # --workload hf:MODEL_DIR --data FILE ... as one spec, in args.workload
     device = _device(args.device)
     created = _init_distributed(device)
     try:

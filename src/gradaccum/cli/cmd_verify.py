@@ -27,11 +27,13 @@ from gradaccum.cli.common import (
     int_at_least,
     mark,
     render_findings,
+    workload_spec,
 )
 from gradaccum.errors import PlanError
 from gradaccum.precision import dtype_name
 
 if TYPE_CHECKING:
+    from gradaccum.check.packed import PackedReport
     from gradaccum.check.report import EquivalenceReport, TraceReport
     from gradaccum.check.workload import Workload
     from gradaccum.hazards.scanner import Finding
@@ -95,6 +97,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run the accumulated side through CachedAccumulator (gradient caching), using the "
         "workload's extras encode_fn and rep_loss_fn; for in-batch-negative losses",
+    )
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="the packed check instead: the workload's documents packed and padded must give the same "
+        "update under token and document normalization (hf: workloads, or extras['documents'])",
     )
     p.add_argument("--device", default="cpu", help="where to run, e.g. cuda:0 (default cpu)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="initialization/data seed")
@@ -237,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
         why = "is not a device (cpu, cuda, cuda:0)" if device is None else "names CUDA, but none is available"
         print(f"gradaccum verify: error: --device {args.device!r} {why}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    workload = load_workload(args.workload)
+    workload = load_workload(workload_spec(args))
+    if args.packed:
+        return _run_packed(args, workload, device)
     _check_partition(workload, args.micro_batch, args.sizes)
     candidate = None
     if args.cached:
@@ -291,3 +301,59 @@ def run(args: argparse.Namespace) -> int:
             "compounds (a large learning rate, loss spikes) or for state that differs between the runs"
         )
     return EXIT_OK if passed else EXIT_FAILED
+
+
+def _run_packed(args: argparse.Namespace, workload: Workload, device: torch.device) -> int:
+    from gradaccum.check.packed import verify_packed_workload
+
+    given = [flag for flag, value in (("--sizes", args.sizes), ("--micro-batch", args.micro_batch)) if value]
+    if args.cached:
+        given.append("--cached")
+    if given:
+        raise PlanError(
+            f"--packed cuts the packed and the padded rows into uneven micro-batches of its own (their "
+            f"row counts differ); leave out {', '.join(given)}"
+        )
+    console.print(f"[bold]verify --packed {escape(workload.name)}[/bold]: {escape(workload.description)}")
+    report = verify_packed_workload(workload, dtype=_DTYPES[args.dtype], device=device, seed=args.seed)
+    _render_packed(report)
+    return EXIT_OK if report.passed else EXIT_FAILED
+
+
+def _render_packed(report: PackedReport) -> None:
+    console.print(f"  packed: {escape(report.packing)}")
+    console.print(f"  padded: {escape(report.padding)}")
+    table = Table(show_edge=False)
+    for column in ("check", "error", "tolerance", "result"):
+        table.add_column(column, justify="left" if column == "check" else "right")
+    for label, sub in (("packed rows", report.packed), ("padded rows", report.padded)):
+        counts = ", ".join(str(c) for c in sub.counts)
+        table.add_row(
+            f"{label}: micro-batches {list(sub.sizes)} ({sub.unit} {counts}) vs the full batch",
+            f"{sub.grad_max_rel_err:.2e}",
+            str(sub.grad_tol),
+            mark(sub.passed),
+        )
+    expected = "same update expected" if report.expect_same else "a different update expected"
+    table.add_row(
+        f"packed vs padded, full batch ({report.normalization} normalization: {expected})",
+        f"{report.layout_grad_max_rel_err:.2e}",
+        str(report.layout_tol),
+        mark(report.layouts_agree)
+        if report.expect_same
+        else "differ"
+        if not report.layouts_agree
+        else "agree",
+    )
+    console.print(table)
+    console.print(
+        f"  mean loss at the initial weights: packed {report.packed_loss:.6g}, "
+        f"padded {report.padded_loss:.6g}"
+    )
+    console.print(f"  layout tolerance: {escape(report.layout_tol.reason)}")
+    console.print(f"[bold]verdict[/bold]: {mark(report.passed)}")
+    console.print(f"  {escape(report.summary())}")
+    if report.likely_causes:
+        console.print("[bold]likely causes[/bold]:")
+        for cause in report.likely_causes:
+            console.print(f"  - {escape(cause)}")

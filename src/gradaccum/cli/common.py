@@ -19,10 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gradaccum.check.workload import DEFAULT_WORKLOAD
-from gradaccum.errors import BenchError, PlanError
+from gradaccum.check.workload import DEFAULT_WORKLOAD, HF_PREFIX
+from gradaccum.errors import BenchError, PlanError, WorkloadError
+from gradaccum.loss import NORMALIZATIONS
 from gradaccum.plan import BatchPlan
 from gradaccum.precision import PRECISIONS
+from gradaccum.workloads.spec import DEFAULT_SEQ_LEN, DEFAULT_TEXT_FIELD, HFSpec
 
 if TYPE_CHECKING:
     from gradaccum.bench.runner import Launch
@@ -38,6 +40,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "Launching",
+    "add_data_options",
     "add_measure_options",
     "add_workload_option",
     "available_memory_bytes",
@@ -59,6 +62,7 @@ __all__ = [
     "rich_table",
     "torchrun_leader",
     "torchrun_world",
+    "workload_spec",
     "yes_no",
 ]
 
@@ -160,13 +164,107 @@ def parse_size(text: str) -> int:
 
 
 def add_workload_option(p: argparse.ArgumentParser) -> None:
-    """``--workload MODULE:FUNCTION``, defaulting to the bundled tiny GPT."""
+    """``--workload MODULE:FUNCTION`` (or ``hf:MODEL_DIR``), defaulting to the bundled tiny GPT, and
+    the data options of ``hf:`` workloads (:func:`add_data_options`)."""
     p.add_argument(
         "--workload",
         default=DEFAULT_WORKLOAD,
         metavar="MODULE:FUNCTION",
-        help=f"function returning a gradaccum.Workload (default {DEFAULT_WORKLOAD})",
+        help=f"function returning a gradaccum.Workload, or hf:MODEL_DIR, a local transformers model "
+        f"folder, with --data FILE (default {DEFAULT_WORKLOAD})",
     )
+    add_data_options(p)
+
+
+def add_data_options(p: argparse.ArgumentParser) -> None:
+    """``--data``, ``--text-field``, ``--seq-len``, ``--pack``, ``--normalization``: what an
+    ``hf:MODEL_DIR`` workload trains or verifies on. :func:`workload_spec` folds them into the spec."""
+    g = p.add_argument_group(
+        "hf: workloads", "--workload hf:MODEL_DIR --data FILE: a local model folder and data file"
+    )
+    g.add_argument(
+        "--data",
+        type=Path,
+        metavar="FILE",
+        help=".txt (one document per line) or .jsonl (one JSON object per line) to read documents from",
+    )
+    g.add_argument(
+        "--text-field",
+        metavar="NAME",
+        help=f"the .jsonl field holding the text (default {DEFAULT_TEXT_FIELD})",
+    )
+    g.add_argument(
+        "--seq-len",
+        type=int_at_least(2),
+        metavar="N",
+        help="tokens per row; longer documents are cut into documents of their own "
+        f"(default {DEFAULT_SEQ_LEN}, or the model's max_position_embeddings if shorter)",
+    )
+    g.add_argument(
+        "--pack",
+        action="store_true",
+        default=None,
+        help="pack documents into rows, position_ids restarting per document (default: one padded "
+        "document per row)",
+    )
+    g.add_argument(
+        "--normalization",
+        choices=NORMALIZATIONS,
+        help="the loss's denominator: the window's tokens, the mean over rows of their token mean, or "
+        "over documents of theirs (default token)",
+    )
+
+
+_DATA_FLAGS = {
+    "data": "--data",
+    "text_field": "--text-field",
+    "seq_len": "--seq-len",
+    "pack": "--pack",
+    "normalization": "--normalization",
+}
+
+
+def workload_spec(args: argparse.Namespace) -> str:
+    """``args.workload`` with the data options folded in, and written back into ``args``.
+
+    ``--workload hf:MODEL_DIR --data FILE ...`` becomes one ``hf:`` spec with absolute paths, which
+    worker processes, run cards and resumed runs carry as it is; a MODULE:FUNCTION workload is
+    returned unchanged and refuses data options, which it would ignore. An unset ``--workload``
+    (``train``'s ``None``) stays unset in ``args``; the default is returned.
+    """
+    spec: str | None = args.workload
+    given = [flag for key, flag in _DATA_FLAGS.items() if getattr(args, key, None) is not None]
+    if spec is None or not spec.startswith(HF_PREFIX):
+        if given:
+            raise WorkloadError(
+                f"{', '.join(given)} describe the data of an hf: workload, but the workload is "
+                f"{spec or DEFAULT_WORKLOAD}: use --workload hf:MODEL_DIR (a local transformers model "
+                "folder), or leave them out (a MODULE:FUNCTION workload makes its own batches)"
+            )
+        return spec or DEFAULT_WORKLOAD
+    if "?" in spec:  # already a whole spec (e.g. copied from a run card)
+        if given:
+            raise WorkloadError(
+                f"workload {spec!r} already holds its data settings; give them either there or as "
+                f"{', '.join(given)}, not both"
+            )
+        args.workload = HFSpec.parse(spec).with_absolute_paths().to_spec()
+        return str(args.workload)
+    if args.data is None:
+        raise WorkloadError(
+            f"workload {spec} needs a data file: add --data FILE (a local .txt, one document per line, "
+            "or .jsonl, one JSON object per line)"
+        )
+    hf = HFSpec(
+        model_dir=spec[len(HF_PREFIX) :],
+        data=str(args.data),
+        text_field=args.text_field if args.text_field is not None else DEFAULT_TEXT_FIELD,
+        seq_len=args.seq_len,
+        pack=bool(args.pack),
+        normalization=args.normalization if args.normalization is not None else "token",
+    )
+    args.workload = hf.with_absolute_paths().to_spec()
+    return str(args.workload)
 
 
 def add_measure_options(p: argparse.ArgumentParser, *, steps: int) -> None:

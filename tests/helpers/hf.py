@@ -1,0 +1,70 @@
+"""A tiny local transformers model folder and data files, built in a temporary directory.
+
+Nothing is downloaded: the tokenizer is a word-level ``tokenizers`` tokenizer trained on the test
+text, the model a 2-layer Llama of width 16. ``make_model_folder(..., weights=False)`` writes the
+config and tokenizer only (the workload then builds the model from the config with a fixed seed);
+``weights=True`` also saves seeded weights.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+_VOCABULARY = """the a cat dog sat ran on under mat box far near home away birds fly high low red blue green
+old new small big quick slow jumps sleeps eats reads writes sings tree river hill road"""
+WORDS = tuple(_VOCABULARY.split())
+
+
+def texts(n: int = 24, seed: int = 0) -> list[str]:
+    """Documents of 1 to 14 words: uneven lengths, some of one word (no target after the shift)."""
+    rng = random.Random(seed)
+    out = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14))) for _ in range(n)]
+    out[3] = WORDS[0]  # a one-token document: no target, no unit
+    return out
+
+
+def write_txt(path: Path, documents: list[str]) -> Path:
+    path.write_text("\n".join(documents) + "\n", encoding="utf-8")
+    return path
+
+
+def write_jsonl(path: Path, documents: list[str], field: str = "body") -> Path:
+    lines = [json.dumps({"id": i, field: d}) for i, d in enumerate(documents)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def make_model_folder(folder: Path, *, weights: bool, seed: int = 1, max_positions: int = 64) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]")
+    tokenizer.save_pretrained(folder)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    if weights:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+        model.save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return folder
