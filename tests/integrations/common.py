@@ -106,7 +106,7 @@ def sgd_reference(
     """Parameters after one SGD step (lr ``LR``) on the mean loss of the whole batch."""
     model.zero_grad(set_to_none=True)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    logits = out if isinstance(out, torch.Tensor) else out.logits
+    logits = out if isinstance(out, torch.Tensor) else out["logits"]
     mean_loss(logits, batch["labels"]).backward()
     with torch.no_grad():
         return {n: (p - LR * p.grad).detach().clone() for n, p in model.named_parameters()}

@@ -84,6 +84,7 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     out["control"] = common.params(accelerator.unwrap_model(model))
     out["control last_epoch"] = scheduler.scheduler.last_epoch
     out["guard"] = sorted({f.code for f in g.findings})
+    out["guard files"] = sorted({f.filename.rsplit("/", 1)[-1] for f in g.findings})
     out["guard windows"] = g.windows
     out["guard synced"] = g.synced_backward_passes
     return out
@@ -94,8 +95,8 @@ def ranks() -> list[dict[str, Any]]:
     return values(run_ranks(_rank, world=WORLD, timeout_s=240))
 
 
-@pytest.fixture(scope="module")
-def reference() -> tuple[common.Params, common.Params]:
+def reference_updates() -> tuple[common.Params, common.Params]:
+    """The parameters after the three full-batch updates, and before them."""
     data = common.sequences(EXAMPLES)
     model = common.gpt2()
     start = common.params(model)
@@ -109,6 +110,11 @@ def reference() -> tuple[common.Params, common.Params]:
             for p in model.parameters():
                 p -= common.LR * _decay(u) * p.grad
     return common.params(model), start
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[common.Params, common.Params]:
+    return reference_updates()
 
 
 pytestmark = pytest.mark.distributed
@@ -140,6 +146,7 @@ def test_accelerates_accumulate_differs_and_the_guard_names_why(
     for r in ranks:
         assert common.update_error(r["control"], want, start) > 1e-2
         assert r["guard"] == ["mean-of-means", "scheduler-mid-window"]
+        assert r["guard files"] == ["test_accelerate.py"]  # the user's line, not Accelerate's
         assert r["guard windows"] == UPDATES and r["guard synced"] == UPDATES  # no_sync seen through
 
 

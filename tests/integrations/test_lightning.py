@@ -184,6 +184,7 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
                     fabric.backward(_fabric_loss(model, mb) / 100)
             optimizer.step()
         out[f"guard deferred={deferred}"] = (sorted({f.code for f in g.findings}), g.synced_backward_passes)
+        out[f"guard files {deferred}"] = sorted({f.filename.rsplit("/", 1)[-1] for f in g.findings})
     return out
 
 
@@ -202,16 +203,14 @@ def test_trainer_under_ddp_with_a_short_last_window(ranks: list[dict[str, Any]])
         assert common.update_error(r["trainer"], want, start) < 1e-12
 
 
+def fabric_reference() -> tuple[common.Params, common.Params]:
+    """Two full-batch SGD steps on the 8 examples both ranks held, and the start."""
+    return reference([list(range(BOUNDS[-1]))] * 2)
+
+
 @pytest.mark.distributed
 def test_fabric_setup_objects_give_the_full_batch_update(ranks: list[dict[str, Any]]) -> None:
-    data = common.collate_aligned(common.sequences(BOUNDS[-1]))
-    model = common.TinyLM()
-    start = common.params(model)
-    for _ in range(2):
-        want = common.sgd_reference(model, data, common.aligned_mean_loss)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(want[name])
+    want, start = fabric_reference()
     assert ranks[0]["fabric tokens"] != ranks[1]["fabric tokens"]
     for r in ranks:
         assert (r["fabric kind"], r["fabric inner"]) == ("ddp", "DistributedDataParallel")
@@ -224,3 +223,4 @@ def test_the_guard_counts_syncs_through_fabrics_wrapper(ranks: list[dict[str, An
     for r in ranks:
         assert r["guard deferred=True"] == ([], 1)
         assert r["guard deferred=False"] == (["sync-per-micro-batch"], 2)
+        assert r["guard files False"] == ["test_lightning.py"]  # the user's line, not Fabric's

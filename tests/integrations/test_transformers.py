@@ -136,6 +136,32 @@ def test_plain_module_returning_logits(tmp_path: Path) -> None:
     assert common.update_error(common.params(plain_model), want, start) > 1e-2
 
 
+class KwargsLM(common.TinyLM):
+    """Takes ``**kwargs`` (so Trainer passes num_items_in_batch) but returns its own per-batch token
+    mean, ignoring it: the models transformers #37766 leaves inexact."""
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, attention_mask: Any = None, labels: Any = None, **kwargs: Any
+    ) -> dict[str, torch.Tensor]:
+        logits = super().forward(input_ids)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": common.aligned_mean_loss(logits, labels), "logits": logits}
+
+
+def test_a_model_that_takes_loss_kwargs_but_ignores_them(tmp_path: Path) -> None:
+    data = common.sequences(K * M)
+    want = common.sgd_reference(KwargsLM(), common.collate_aligned(data), common.aligned_mean_loss)
+    start = common.params(KwargsLM())
+    exact_model = KwargsLM()
+    trainer = train(ExactTrainer, exact_model, data, tmp_path / "exact", data_collator=common.collate_aligned)
+    assert trainer.model_accepts_loss_kwargs and trainer.loss_form == "mean"
+    assert common.update_error(common.params(exact_model), want, start) < 1e-12
+    plain_model = KwargsLM()
+    train(Trainer, plain_model, data, tmp_path / "plain", data_collator=common.collate_aligned)
+    assert common.update_error(common.params(plain_model), want, start) > 1e-2
+
+
 class SequentialTrainer(Trainer):
     """A user's Trainer: its own sampler (examples in order) and its own compute_loss, a token mean
     that ignores num_items_in_batch (transformers #44342)."""

@@ -41,6 +41,7 @@ import functools
 import inspect
 import math
 import os
+import sys
 import types
 import warnings
 import weakref
@@ -80,12 +81,27 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "clip_grads_with_norm_")
 
 
+_FRAMEWORKS = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning", "transformers")
+"""Training libraries whose wrappers call backward, step or the scheduler on the user's behalf: a
+finding names the user's line that called them, not theirs (only those already imported count)."""
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [_TORCH_DIR, _OWN_DIR]
+    for name in _FRAMEWORKS:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
+
+
 def _user_site() -> tuple[str, int]:
-    """File and line of the innermost caller outside gradaccum and torch."""
+    """File and line of the innermost caller outside gradaccum, torch and the training libraries."""
+    libraries = _library_dirs()
     frame = inspect.currentframe()
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
-        if not (name.startswith(_TORCH_DIR) or name.startswith(_OWN_DIR)):
+        if not name.startswith(libraries):
             return frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
