@@ -190,21 +190,24 @@ class ExactTrainer(Trainer):
         if first:
             self.loss_form = self._loss_form_of(model, micro_batches, counts)
         if world > 1:
-            # [N, form, form^2] summed over ranks: every rank measured the same form iff
-            # W * sum(f^2) == sum(f)^2 (one small all-reduce per window; the form only once)
+            # [N, ranks that measured, form, form^2] summed over the ranks, in the counts' one small
+            # all-reduce: the M ranks that measured agree iff M * sum(f^2) == sum(f)^2, and a rank
+            # whose micro-batches held no unit takes their form
             code = float(_FORM_CODES[self.loss_form]) if first else 0.0
+            flags = [float(code > 0), code, code * code]
             meta = dist.all_reduce_sum_(
-                torch.stack([local, local.new_tensor(code), local.new_tensor(code * code)]),
-                what="the window's token counts",
+                torch.cat([local.reshape(1), local.new_tensor(flags)]), what="the window's token counts"
             )
             if first:
-                total, squares = meta[1:].tolist()
-                if world * squares != total * total:
+                measured, total, squares = meta[1:].tolist()
+                if measured * squares != total * total:
                     raise LossError(
                         f"the ranks disagree on what compute_loss returns (codes summed {total:g}, "
-                        f"squares {squares:g} over {world} ranks; 1 = divides by num_items_in_batch, "
-                        "2 = a per-micro-batch mean): every rank must run the same compute_loss"
+                        f"squares {squares:g} over {measured:g} ranks; 1 = divides by "
+                        "num_items_in_batch, 2 = a per-micro-batch mean): every rank must run the "
+                        "same compute_loss"
                     )
+                self.loss_form = _FORMS[round(total / measured)] if measured else None
             local = meta[0]
         if self.loss_form == "mean" and bool(torch.stack(counts).eq(0).any()):
             raise CountError(
@@ -261,9 +264,10 @@ class ExactTrainer(Trainer):
 
     def _loss_form_of(
         self, model: nn.Module, micro_batches: Sequence[Any], counts: Sequence[Any]
-    ) -> LossForm:
+    ) -> LossForm | None:
         """Sum over ``num_items_in_batch`` or per-micro-batch mean: the first micro-batch with units,
-        run twice with the same random draws and ``num_items_in_batch`` D and 2D, tells."""
+        run twice with the same random draws and ``num_items_in_batch`` D and 2D, tells (``None``:
+        no micro-batch here holds a unit)."""
         core = self.accelerator.unwrap_model(model)  # its forward issues no collective
         for mb, count in zip(micro_batches, counts, strict=True):
             n = float(count)
@@ -287,7 +291,7 @@ class ExactTrainer(Trainer):
                 "with any per-batch term (a regularizer) divided by it too, or a mean over exactly "
                 "the counted units."
             )
-        return "sum"  # no units in this window: a later window decides (loss_form stays None)
+        return None  # no units in this window: a later window decides
 
     def _loss_at(self, model: nn.Module, micro_batch: Any, divisor: float) -> float:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -399,6 +403,7 @@ class ExactTrainer(Trainer):
 
 
 _FORM_CODES: dict[LossForm | None, int] = {None: 0, "sum": 1, "mean": 2}
+_FORMS: dict[int, LossForm] = {1: "sum", 2: "mean"}
 
 
 def exact_trainer(trainer_class: type[Trainer]) -> type[ExactTrainer]:
