@@ -4,11 +4,17 @@ Only public switches are used: ``DistributedDataParallel.no_sync`` and
 ``FullyShardedDataParallel.no_sync`` (both restore the previous flag on exit themselves), and FSDP2's
 ``FSDPModule.set_requires_gradient_sync``. DDP reads its flag in ``forward``, so the context must
 wrap the forward *and* the backward of a micro-batch, never the backward alone.
+
+A training framework may put a thin forward wrapper around the data-parallel module: Lightning
+Fabric's ``fabric.setup`` returns a ``_FabricModule`` that casts inputs and runs autocast, then
+forwards through the DDP or FSDP module it holds. :func:`sync_module` finds that module, so the
+step forwards through the wrapper and switches sync on the module that owns it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -24,6 +30,7 @@ __all__ = [
     "no_grad_sync",
     "sync_deferred",
     "sync_kind",
+    "sync_module",
 ]
 
 SyncKind = Literal["local", "ddp", "fsdp", "fsdp2"]
@@ -49,8 +56,7 @@ def _is_fsdp2(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def sync_kind(module: nn.Module) -> SyncKind:
-    """Which synchronization wrapper ``module`` is (its outermost one)."""
+def _own_kind(module: nn.Module) -> SyncKind:
     if isinstance(module, DistributedDataParallel):
         return "ddp"
     if _is_fsdp1(module):
@@ -58,6 +64,43 @@ def sync_kind(module: nn.Module) -> SyncKind:
     if _is_fsdp2(module):
         return "fsdp2"
     return "local"
+
+
+_FORWARD_WRAPPERS = (
+    ("lightning.fabric.wrappers", "_FabricModule"),
+    ("lightning_fabric.wrappers", "_FabricModule"),
+)
+"""Framework classes that forward through a data-parallel module they hold as a child. Looked up in
+``sys.modules`` only: an object of such a class exists only once its framework was imported."""
+
+
+def _is_forward_wrapper(module: nn.Module) -> bool:
+    for module_name, class_name in _FORWARD_WRAPPERS:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type) and isinstance(module, cls):
+            return True
+    return False
+
+
+def sync_module(module: nn.Module) -> nn.Module:
+    """The module whose gradient sync the step switches: ``module`` itself, or the DDP/FSDP module
+    inside a framework's forward wrapper (Lightning Fabric's ``_FabricModule``).
+
+    Fabric offers no public accessor for the module it forwards through; it is a registered child
+    of the wrapper, so the public ``children()`` finds it.
+    """
+    if isinstance(module, DistributedDataParallel) or not _is_forward_wrapper(module):
+        return module
+    for child in module.children():
+        if _own_kind(child) != "local":
+            return child
+    return module
+
+
+def sync_kind(module: nn.Module) -> SyncKind:
+    """Which synchronization wrapper ``module`` is (its outermost one), seen through a framework's
+    forward wrapper (see :func:`sync_module`)."""
+    return _own_kind(sync_module(module))
 
 
 class _Fsdp2NoSync:
@@ -88,9 +131,10 @@ def sync_deferred(module: nn.Module, kind: SyncKind, enabled: bool = True) -> Ab
     """
     if not enabled or kind == "local":
         return _NOTHING_TO_DEFER
+    owner = module if isinstance(module, DistributedDataParallel) else sync_module(module)
     if kind == "fsdp2":
-        return _Fsdp2NoSync(module)
-    return module.no_sync()  # type: ignore[operator]
+        return _Fsdp2NoSync(owner)
+    return owner.no_sync()  # type: ignore[operator]
 
 
 def no_grad_sync(module: nn.Module, enabled: bool = True) -> AbstractContextManager[Any]:
@@ -104,6 +148,7 @@ def no_grad_sync(module: nn.Module, enabled: bool = True) -> AbstractContextMana
 
 def check_sync_on(module: nn.Module) -> None:
     """Refuse to start a window inside the caller's own ``no_sync``: the final backward would not sync."""
+    module = sync_module(module)
     if sync_kind(module) == "ddp" and not getattr(module, "require_backward_grad_sync", True):
         raise SyncError(
             "Accumulator.step was called inside DistributedDataParallel.no_sync(): the window's "
@@ -119,6 +164,7 @@ def needs_every_parameter(module: nn.Module) -> bool:
     from each of them: one that a window's last micro-batch does not use leaves its bucket
     unreduced, which hangs the ranks or steps on unaveraged gradients.
     """
+    module = sync_module(module)
     if sync_kind(module) != "ddp":
         return False
     return not getattr(module, "find_unused_parameters", False) and not getattr(module, "static_graph", False)

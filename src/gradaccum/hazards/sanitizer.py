@@ -26,6 +26,12 @@ other loss (sums of terms, label smoothing, non-scalar roots), compares micro-ba
 (unequal counts *across* ranks would need a collective in the user's loop) and reads the scale factors
 on the host once per window. The graph is read through the ``grad_fn._saved_*`` attributes that
 PyTorch's autograd notes document. Synchronization rules cover DDP, not FSDP.
+
+Framework wrappers are seen through: the DDP inside Lightning Fabric's ``_FabricModule`` (the sync
+flag is read there), the optimizer inside Accelerate's ``AcceleratedOptimizer`` or Fabric's
+``_FabricOptimizer`` (the real update is observed, not a wrapper call that Accelerate skips inside
+``accumulate()``), and the scheduler inside Accelerate's ``AcceleratedScheduler`` (its real steps are
+counted: under N processes it steps N times per update unless built with ``split_batches``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import functools
 import inspect
 import math
 import os
+import sys
 import types
 import warnings
 import weakref
@@ -44,7 +51,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum.distributed.sync import sync_kind
+from gradaccum.distributed.sync import sync_kind, sync_module
 from gradaccum.hazards.lossform import WEIGHT_RTOL, LossForm, listed, read_loss
 from gradaccum.hazards.rules import (
     GUARD_RULES,
@@ -74,12 +81,27 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _CLIP_NAMES = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "clip_grads_with_norm_")
 
 
+_FRAMEWORKS = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning", "transformers")
+"""Training libraries whose wrappers call backward, step or the scheduler on the user's behalf: a
+finding names the user's line that called them, not theirs (only those already imported count)."""
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [_TORCH_DIR, _OWN_DIR]
+    for name in _FRAMEWORKS:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
+
+
 def _user_site() -> tuple[str, int]:
-    """File and line of the innermost caller outside gradaccum and torch."""
+    """File and line of the innermost caller outside gradaccum, torch and the training libraries."""
+    libraries = _library_dirs()
     frame = inspect.currentframe()
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
-        if not (name.startswith(_TORCH_DIR) or name.startswith(_OWN_DIR)):
+        if not name.startswith(libraries):
             return frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
@@ -157,6 +179,7 @@ class Guard:
         self.model, self.optimizer, self.config = model, optimizer, config
         self.scheduler, self.scaler = scheduler, scaler
         self._ddp = sync_kind(model) == "ddp"
+        self._synced = sync_module(model)  # the DDP itself, also inside Fabric's _FabricModule
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._param_ids = {id(p) for p in self._params}
         self._active = False
@@ -227,15 +250,21 @@ class Guard:
     def _install(self, stack: contextlib.ExitStack) -> None:
         for i, p in enumerate(self._params):
             stack.callback(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i)).remove)
-        stack.callback(self.optimizer.register_step_pre_hook(self._on_optimizer_step).remove)
+        chain = _optimizer_chain(self.optimizer)
+        real = chain[-1]  # the optimizer whose step changes the weights
+        stack.callback(real.register_step_pre_hook(self._on_optimizer_step).remove)
         if self._ddp:
-            stack.callback(self.model.register_forward_pre_hook(self._on_forward).remove)
-        self._patch(stack, self.optimizer, "zero_grad", self._on_zero_grad)
+            stack.callback(self._synced.register_forward_pre_hook(self._on_forward).remove)
+        for level in chain:
+            # a wrapper that inherits the real optimizer's zero_grad clears the gradients itself; one
+            # that defines its own (Accelerate's, a no-op inside accumulate()) is seen through
+            if level is real or type(level).zero_grad is type(real).zero_grad:
+                self._patch(stack, level, "zero_grad", self._on_zero_grad)
         for module in (self.model, getattr(self.model, "module", None) if self._ddp else None):
             if isinstance(module, nn.Module):
                 self._patch(stack, module, "zero_grad", self._on_zero_grad)
         if self.scheduler is not None:
-            self._patch(stack, self.scheduler, "step", self._on_scheduler_step)
+            self._patch(stack, _real_scheduler(self.scheduler), "step", self._on_scheduler_step)
         if self.scaler is not None:
             self._patch(stack, self.scaler, "unscale_", self._on_unscale)
             self._patch(stack, self.scaler, "update", self._on_update)
@@ -375,7 +404,7 @@ class Guard:
         self._forms.append(self._bw_form if self._bw_depth else None)
         if self._ddp:
             site = self._bw_site or _user_site()
-            now = bool(getattr(self.model, "require_backward_grad_sync", True))
+            now = bool(getattr(self._synced, "require_backward_grad_sync", True))
             synced = now if self._fwd_sync is None else self._fwd_sync
             if synced and not now:
                 self._report("no-sync-backward-only", site, deferred=True)
@@ -503,3 +532,25 @@ class Guard:
 
 
 _SCALER = ("scale", "unscale_", "step", "update")
+
+
+def _optimizer_chain(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """``optimizer`` and the optimizers it wraps, outermost first: Accelerate's and Fabric's wrappers
+    hold the real optimizer as their public ``optimizer`` attribute."""
+    chain = [optimizer]
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer) and all(inner is not level for level in chain):
+        chain.append(inner)
+        inner = getattr(inner, "optimizer", None)
+    return chain
+
+
+def _real_scheduler(scheduler: Any) -> Any:
+    """The scheduler whose ``step`` changes the learning rate: Accelerate's ``AcceleratedScheduler``
+    holds it as its public ``scheduler`` attribute and calls its ``step`` (or skips it)."""
+    seen = [scheduler]
+    inner = getattr(scheduler, "scheduler", None)
+    while callable(getattr(inner, "step", None)) and all(inner is not s for s in seen):
+        seen.append(inner)
+        inner = getattr(inner, "scheduler", None)
+    return seen[-1]

@@ -46,6 +46,7 @@ from gradaccum.distributed.sync import (
     needs_every_parameter,
     sync_deferred,
     sync_kind,
+    sync_module,
 )
 from gradaccum.errors import ConfigError, CountError, SyncError, TooManySkipsError, WindowError
 from gradaccum.step.agreement import (
@@ -182,6 +183,7 @@ class WindowEngine:
         self.on_step = list(on_step)
         self.observer = observer
         self.kind: SyncKind = sync_kind(model)
+        self._synced = sync_module(model)  # the DDP/FSDP module itself, also inside Fabric's wrapper
         self.steps_applied = 0
         self.steps_skipped = 0
         self.consecutive_skips = 0
@@ -189,7 +191,7 @@ class WindowEngine:
         # after an agreed failure the next window's first micro-batch synchronizes on every rank.
         # This is the wrapper's bookkeeping across windows, not a failure carried between phases.
         self._resync = False
-        _refuse_static_graph(model, self.kind, config.defer_sync)
+        _refuse_static_graph(self._synced, self.kind, config.defer_sync)
         # DDP fixes the parameters it reduces when it is built; the accumulator is built right after
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._reduced_params = trainable if needs_every_parameter(model) else []
@@ -306,7 +308,7 @@ class WindowEngine:
         # summed over ranks and read once. All ranks hold the same k iff W*sum(k^2) == sum(k)^2.
         k = len(micro_batches)
         failed, oom = (1, int(failure.oom)) if failure is not None else (0, 0)
-        broadcasts = int(self.kind == "ddp" and self.model.will_sync_module_buffers())  # type: ignore[operator]
+        broadcasts = int(self.kind == "ddp" and self._synced.will_sync_module_buffers())  # type: ignore[operator]
         flags = torch.tensor(
             [int(k == 0), 0.0, k, k * k, failed, oom, broadcasts, *self._fingerprint],
             dtype=torch.float64,
@@ -552,7 +554,7 @@ class WindowEngine:
         if self.kind == "fsdp":
             # FSDP1 shards flat gradients; its own method reduces the norm across ranks. With an
             # infinite max_norm it multiplies by exactly 1 (the clip coefficient is clamped to 1).
-            return self.model.clip_grad_norm_(float("inf"))  # type: ignore[operator]
+            return self._synced.clip_grad_norm_(float("inf"))  # type: ignore[operator]
         return total_norm(grads, uniform=self._uniform) if grads else None
 
     def _agree(

@@ -1,0 +1,16 @@
+"""Exact accumulation inside the loops users already train with; each is an optional extra.
+
+* :mod:`gradaccum.integrations.transformers`: ``ExactTrainer`` and ``exact_trainer(SomeTrainer)``
+  for the Hugging Face ``Trainer`` (``pip install gradaccum[transformers]``);
+* :mod:`gradaccum.integrations.accelerate`: ``prepare_accumulator`` builds an ``Accumulator`` from
+  what ``accelerator.prepare`` returns (``gradaccum[accelerate]``);
+* :mod:`gradaccum.integrations.lightning`: ``window_step`` for the Lightning ``Trainer`` (manual
+  optimization over windows); Fabric's ``fabric.setup`` objects go straight into ``Accumulator``
+  (``gradaccum[lightning]``).
+
+Importing this package imports none of those libraries: each submodule imports its own on import.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
