@@ -7,13 +7,13 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean
+.PHONY: run test lint docs setup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev,docs]" "$(TORCH)"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -26,9 +26,14 @@ test: lint
 
 # style and types: part of `make test` (what CI runs); any finding fails it
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs/generate.py docs/examples
+	$(BIN)/ruff format --check src tests benchmarks docs/generate.py docs/examples
 	$(BIN)/mypy
 
+# the documentation site in site/: command pages regenerated from real runs, warnings as errors
+docs: $(STAMP)
+	$(BIN)/python docs/generate.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site docs/commands docs/quickstart.md docs/reference.md

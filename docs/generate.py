@@ -1,0 +1,233 @@
+"""Generate the documentation's pages that show real output: one page per command, the quickstart
+and the API reference. ``make docs`` runs this, then ``mkdocs build --strict``; nothing these pages
+show is pasted: every line of output and every plot comes from running the command now, on the
+bundled defaults, in a scratch folder.
+
+    .venv/bin/python docs/generate.py [--fast]
+
+``--fast`` shortens the measuring commands (fewer steps and runs); the figures then say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+COMMANDS = DOCS / "commands"
+IMAGES = COMMANDS / "img"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One run shown on a command's page: why, the arguments, and the files whose plots to show."""
+
+    title: str
+    args: tuple[str, ...]
+    fast_args: tuple[str, ...] = ()
+    plots: tuple[str, ...] = ()
+    """PNG files of the run folder to show (the newest runs/<command>-* folder)."""
+    note: str = ""
+
+
+# Every subcommand `gradaccum --help` lists, and what its page runs. tests/docs/test_pages.py checks
+# that this covers every subcommand.
+PAGES: dict[str, list[Example]] = {
+    "plan": [
+        Example("The seeds' worked example (no arguments)", ()),
+        Example(
+            "Your own plans against a baseline",
+            ("base=8x8x4", "half-micro=4x8x8", "fewer-updates=4x8x1", "--seq-len", "2048"),
+        ),
+    ],
+    "verify": [
+        Example("The bundled tiny GPT: exact", ()),
+        Example(
+            "A BatchNorm CNN: not exact, and why",
+            ("--workload", "gradaccum.examples:bn_cnn", "--trace-steps", "0"),
+            note="Exit code 1: the check ran and failed; the likely causes name the layers.",
+        ),
+        Example(
+            "In-batch negatives through the gradient cache",
+            ("--workload", "gradaccum.examples:contrastive", "--cached"),
+        ),
+    ],
+    "scan": [
+        Example("A BatchNorm CNN", ("--workload", "gradaccum.examples:bn_cnn")),
+        Example("The bundled tiny GPT", ()),
+    ],
+    "bench": [
+        Example(
+            "Every factorization of a global batch of 8",
+            ("--global-batch", "8", "--memory-budget", "1MiB", "--no-progress"),
+            fast_args=("--runs", "1", "--steps", "3", "--warmup", "1"),
+            plots=("throughput.png", "memory.png"),
+        ),
+    ],
+    "accept": [
+        Example(
+            "The main job, on the bundled default (`make run`)",
+            ("--no-progress",),
+            fast_args=("--steps", "20", "--block-updates", "5", "--trace-steps", "2"),
+            plots=("throughput.png", "memory.png"),
+        ),
+    ],
+    "train": [
+        Example(
+            "A short run of the bundled tiny GPT",
+            ("--steps", "40", "--run-dir", "runs/train-docs"),
+            fast_args=(),
+            plots=("loss.png",),
+        ),
+    ],
+}
+
+
+def _run(args: list[str], cwd: Path) -> tuple[int, str]:
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradaccum", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    return proc.returncode, (proc.stdout + proc.stderr).rstrip()
+
+
+def _fence(text: str) -> str:
+    return f"```text\n{text}\n```"
+
+
+def _newest_folder(cwd: Path, command: str) -> Path | None:
+    runs = cwd / "runs"
+    if not runs.is_dir():
+        return None
+    folders = sorted(
+        (p for p in runs.iterdir() if p.is_dir() and p.name.startswith(command)), key=os.path.getmtime
+    )
+    return folders[-1] if folders else None
+
+
+def command_page(command: str, examples: list[Example], *, fast: bool, scratch: Path) -> str:
+    code, help_text = _run([command, "--help"], scratch)
+    if code != 0:
+        raise SystemExit(f"gradaccum {command} --help exited {code}:\n{help_text}")
+    lines = [f"# gradaccum {command}", "", _fence(help_text), ""]
+    for n, example in enumerate(examples):
+        args = [command, *example.args, *(example.fast_args if fast else ())]
+        code, output = _run(args, scratch)
+        shown = " ".join(["gradaccum", *args])
+        lines += [f"## {example.title}", "", f"```bash\n{shown}\n```", "", _fence(output), ""]
+        lines.append(f"Exit code {code}." + (f" {example.note}" if example.note else ""))
+        lines.append("")
+        folder = _newest_folder(scratch, command) if example.plots else None
+        for plot in example.plots:
+            if folder is None or not (folder / plot).is_file():
+                raise SystemExit(f"gradaccum {command}: expected {plot} in its run folder, found none")
+            target = f"{command}-{n}-{plot}"
+            shutil.copyfile(folder / plot, IMAGES / target)
+            lines += [f"![{plot}](img/{target})", ""]
+    if fast:
+        lines.append(
+            "!!! note\n    Generated with `docs/generate.py --fast`: fewer steps and runs than defaults.\n"
+        )
+    return "\n".join(lines)
+
+
+def quickstart(accept_page: str) -> str:
+    return (
+        textwrap.dedent(
+            """\
+        # Quickstart
+
+        Two commands do all the set-up on a fresh machine (Python 3.10+, a C compiler not needed):
+
+        ```bash
+        make run    # creates .venv, installs gradaccum, runs `gradaccum accept` on the bundled default
+        make test   # creates .venv if needed, runs ruff, mypy and the whole test suite (what CI runs)
+        ```
+
+        `make run` verifies that accumulating the bundled tiny GPT's batch as 4 micro-batches of 8
+        (the baseline) and as 8 micro-batches of 4 (the candidate) gives the full-batch update, measures
+        both side by side, and decides whether the candidate is worth adopting. What it printed when
+        these pages were generated:
+
+        """
+        )
+        + accept_page.split("## ", 1)[1].split("\n", 1)[1]
+    )
+
+
+def _field_table(obj: object) -> list[str]:
+    """A dataclass whose fields carry their documentation in ``metadata["doc"]`` (``Workload``, for
+    ``help()``): the table of its fields, which the docstrings read from the source do not hold."""
+    fields = [f for f in getattr(obj, "__dataclass_fields__", {}).values() if "doc" in f.metadata]
+    if not fields:
+        return []
+    rows = ["| field | type | default | what it is |", "|---|---|---|---|"]
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            default = f"`{f.default.__name__ if callable(f.default) else repr(f.default)}`"
+        elif f.default_factory is not dataclasses.MISSING:
+            default = "empty"
+        else:
+            default = "required"
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        doc = f.metadata["doc"].replace("|", "\\|")
+        rows.append(f"| `{f.name}` | `{kind}` | {default} | {doc} |")
+    return [f"Fields of `{obj.__name__}`:", "", *rows, ""]  # type: ignore[attr-defined]
+
+
+def reference() -> str:
+    sys.path.insert(0, str(DOCS.parent / "src"))
+    import gradaccum
+
+    exports = gradaccum._EXPORTS
+    lines = [
+        "# API reference",
+        "",
+        "Everything `gradaccum` exports, from the docstrings. Each name lives in its feature's module;",
+        "`import gradaccum` imports none of them until first use.",
+        "",
+    ]
+    groups: dict[str, list[str]] = {}
+    for name, module in exports.items():
+        groups.setdefault(module.split(".")[1] if module.count(".") else module, []).append(name)
+    for group, names in groups.items():
+        lines += [f"## {group}", ""]
+        for name in names:
+            lines += [f"::: {exports[name]}.{name}", ""]
+            lines += _field_table(getattr(gradaccum, name))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fast", action="store_true", help="shorter measuring runs")
+    args = parser.parse_args()
+    shutil.rmtree(COMMANDS, ignore_errors=True)
+    IMAGES.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="gradaccum-docs-") as tmp:
+        scratch = Path(tmp)
+        pages = {}
+        for command, examples in PAGES.items():
+            print(f"docs: gradaccum {command}", flush=True)
+            pages[command] = command_page(command, examples, fast=args.fast, scratch=scratch)
+            (COMMANDS / f"{command}.md").write_text(pages[command] + "\n", encoding="utf-8")
+    (DOCS / "quickstart.md").write_text(quickstart(pages["accept"]), encoding="utf-8")
+    (DOCS / "reference.md").write_text(reference() + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

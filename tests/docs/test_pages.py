@@ -1,0 +1,128 @@
+"""The site covers what there is: a page per command, a section per error, resolvable API entries,
+and the distributed example runs under torchrun. (``make docs`` builds it with warnings as errors;
+``.ci/run`` runs that after the tests.)"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+import gradaccum
+import gradaccum.errors
+from gradaccum.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+def _generate() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_generate", DOCS / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _subcommands() -> set[str]:
+    actions = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert len(actions) == 1
+    return set(actions[0].choices)
+
+
+def _nav_pages() -> set[str]:
+    def walk(node: object) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, dict):
+            return [page for value in node.values() for page in walk(value)]
+        if isinstance(node, list):
+            return [page for item in node for page in walk(item)]
+        return []
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    return set(walk(config["nav"]))
+
+
+def test_every_command_gradaccum_lists_has_a_generated_page_in_the_navigation() -> None:
+    commands = _subcommands()
+    assert commands >= {"plan", "verify", "scan", "bench", "accept", "train"}
+    assert set(_generate().PAGES) == commands
+    assert {f"commands/{c}.md" for c in commands} <= _nav_pages()
+
+
+def test_every_page_in_the_navigation_is_written_or_generated() -> None:
+    generated = {"quickstart.md", "reference.md"} | {f"commands/{c}.md" for c in _subcommands()}
+    for page in _nav_pages() - generated:
+        assert (DOCS / page).is_file(), f"mkdocs.yml lists {page}, which does not exist"
+
+
+def test_every_error_class_has_a_cause_and_fix_on_the_troubleshooting_page() -> None:
+    text = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    headings = set(re.findall(r"^### (\w+)$", text, re.M))
+    classes = {
+        name
+        for name in gradaccum.errors.__all__
+        if issubclass(getattr(gradaccum.errors, name), (gradaccum.errors.GradAccumError, Warning))
+    }
+    assert len(classes) >= 25
+    assert "`gradaccum.GradAccumError`" in text  # the base class: the page's opening paragraph
+    assert classes - headings == {"GradAccumError"}, "errors without a troubleshooting section"
+    assert headings - classes == set(), "sections for classes that do not exist"
+
+
+def test_every_reference_entry_resolves_to_what_gradaccum_exports() -> None:
+    page = _generate().reference()
+    entries = re.findall(r"^::: ([\w.]+)$", page, re.M)
+    assert {e.rsplit(".", 1)[1] for e in entries} == set(gradaccum._EXPORTS)
+    for entry in entries:
+        module, name = entry.rsplit(".", 1)
+        assert getattr(importlib.import_module(module), name) is getattr(gradaccum, name)
+
+
+def test_a_command_page_shows_the_commands_real_output(tmp_path: Path) -> None:
+    generate = _generate()
+    page = generate.command_page("plan", generate.PAGES["plan"], fast=True, scratch=tmp_path)
+    assert page.startswith("# gradaccum plan\n")
+    assert "usage: gradaccum plan" in page
+    assert "global batch" in page.lower()
+    assert page.count("Exit code 0.") == len(generate.PAGES["plan"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_the_distributed_pages_example_runs_exactly_under_torchrun() -> None:
+    script = DOCS / "examples" / "ddp_accumulate.py"
+    assert '--8<-- "examples/ddp_accumulate.py"' in (DOCS / "distributed.md").read_text(encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = re.search(r"largest relative difference from the full batch: (\S+)", proc.stdout)
+    assert match is not None, proc.stdout
+    assert float(match.group(1)) <= 1e-12  # float64, summation order only
+
+
+def test_every_bundled_workload_is_on_the_workloads_page() -> None:
+    import gradaccum.examples
+
+    text = (DOCS / "workloads.md").read_text(encoding="utf-8")
+    functions = [getattr(gradaccum.examples, name) for name in gradaccum.examples.__all__]
+    bundled = [f.__name__ for f in functions if inspect.signature(f).return_annotation == "Workload"]
+    assert set(bundled) == {"tiny_gpt", "bn_cnn", "contrastive"}
+    for name in bundled:
+        assert f"gradaccum.examples:{name}" in text
