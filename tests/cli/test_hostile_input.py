@@ -215,16 +215,16 @@ def test_train_with_a_workload_that_fails_at_run_time_exits_2_and_writes_nothing
 # -- plan: sizes that are zero, negative or not numbers ------------------------------------------
 
 PLAN_INPUT = [
-    (["plan", "0x4x2"], "micro_batch must be a positive integer, got 0"),
-    (["plan", "4x2x0"], "accum_steps must be a positive integer, got 0"),
+    (["plan", "0x4x2"], "plan 0x4x2: MICRO must be at least 1, got 0"),
+    (["plan", "4x2x0"], "plan 4x2x0: ACCUM must be at least 1, got 0"),
     (["plan", "-4x2x2"], "unrecognized arguments: -4x2x2"),  # argparse reads it as an option
     (["plan", "4x2x"], "MICROxDPxACCUM"),
     (["plan", "2.5x2"], "MICROxDPxACCUM"),
-    (["plan", "--seq-len", "0"], "seq_len must be a positive integer, got 0"),
-    (["plan", "--seq-len", "-3"], "seq_len must be a positive integer, got -3"),
-    (["plan", "--dataset-size", "-1"], "dataset_size must be a non-negative integer, got -1"),
-    (["plan", "--seq-len", "many"], "invalid int value: 'many'"),
-    (["plan", "A=4x2x2", "A=8x1x2"], "plan names must be unique"),
+    (["plan", "--seq-len", "0"], "argument --seq-len: expected an integer >= 1, got 0"),
+    (["plan", "--seq-len", "-3"], "argument --seq-len: expected an integer >= 1, got -3"),
+    (["plan", "--dataset-size", "-1"], "argument --dataset-size: expected an integer >= 0, got -1"),
+    (["plan", "--seq-len", "many"], "argument --seq-len: expected an integer, got 'many'"),
+    (["plan", "A=4x2x2", "A=8x1x2"], "plan names must be unique; A is given more than once"),
 ]
 
 

@@ -31,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="examples per forward (default: the workload's)",
     )
-    p.add_argument("--strict", action="store_true", help="exit 1 when a finding breaks equivalence")
+    p.add_argument(
+        "--strict", action="store_true", help="exit 1 when a finding breaks equivalence (default: exit 0)"
+    )
     p.set_defaults(func=run)
 
 
