@@ -82,7 +82,7 @@ DEFAULT_MAX_GRAD_NORM, DEFAULT_MAX_SKIPS = 1.0, 10
 DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_KEEP = 100, 30.0, 3
 REPEAT_S = 1.0
 """A second stop signal sooner than this after the first is the same request delivered twice."""
-PROBE_S = 3.0
+PROBE_S = 2.0
 """How long a surviving rank waits for the others to answer after a collective failed."""
 AUTO = ("auto", "latest")
 
