@@ -54,6 +54,7 @@ from gradaccum.cli.common import (
     escape,
     int_at_least,
     number_above,
+    output_folder,
 )
 from gradaccum.distributed import dist
 from gradaccum.errors import (
@@ -138,9 +139,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"examples per forward pass on each rank (default {DEFAULT_MICRO_BATCH})",
     )
     what.add_argument(
-        "--precision", choices=("float32", "bfloat16", "float16", "float64"), help="(default float32)"
+        "--precision",
+        choices=("float32", "bfloat16", "float16", "float64"),
+        help="compute precision; float16 adds a GradScaler (default float32)",
     )
-    what.add_argument("--seed", type=int_at_least(0), help="data stream and dropout seed (default 0)")
+    what.add_argument(
+        "--seed", type=int_at_least(0), metavar="S", help="data stream and dropout seed (default 0)"
+    )
     length = p.add_argument_group("how long")
     length.add_argument(
         "--steps",
@@ -165,16 +170,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     opt.add_argument(
         "--lr",
         type=number_above(0.0),
+        metavar="LR",
         help=f"peak learning rate; the schedule scales it (default {DEFAULT_LR:g})",
     )
     opt.add_argument(
         "--weight-decay",
         type=number_above(0.0, inclusive=True),
+        metavar="W",
         help=f"decoupled weight decay (adamw) or L2 penalty (sgd) (default {DEFAULT_WEIGHT_DECAY:g})",
     )
     opt.add_argument(
         "--max-grad-norm",
         type=number_above(0.0, inclusive=True),
+        metavar="NORM",
         help=f"clip the accumulated gradient to this norm; 0 turns clipping off "
         f"(default {DEFAULT_MAX_GRAD_NORM:g})",
     )
@@ -225,7 +233,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_threads_option(where, per="process, printed at start, as bench and accept")
     where.add_argument(
         "--run-dir",
-        type=Path,
+        type=output_folder,
         metavar="PATH",
         help="run folder; a fresh run refuses one that holds another run (default runs/train-<time>)",
     )
@@ -324,7 +332,8 @@ def _from_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[st
     given = [name for name in CARD_FLAGS if getattr(args, name) is not None]
     if given:
         clashes = "; ".join(
-            f"{_flag(name)} {getattr(args, name)} (the card has {_card_value(card, name)})" for name in given
+            f"{_flag(name)} {_word(getattr(args, name))} (the card has {_card_value(card, name)})"
+            for name in given
         )
         raise PlanError(
             f"--runcard {args.runcard} fixes what was verified, and these flags would change it: "
@@ -803,8 +812,8 @@ class _Renderer:
         peak = "the workload optimizer's own" if cfg.optimizer == "workload" else f"{cfg.lr:g}"
         console.print(
             f"schedule: {sched['kind']}, clock {sched['clock']}, warmup {sched['warmup']:,} and horizon "
-            f"{sched['horizon']:,} {sched['clock']}; peak lr {peak}; ~{start.tokens_per_step:,} valid "
-            f"tokens per step; skipped updates: {sched['skipped_updates']}"
+            f"{_count(sched['horizon'], sched['clock'][:-1])}; peak lr {peak}; "
+            f"~{start.tokens_per_step:,} valid tokens per step; skipped updates: {sched['skipped_updates']}"
         )
         if sched["clock"] == "steps":
             steps = _count(round(warmup_steps), "step")

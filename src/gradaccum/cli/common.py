@@ -52,6 +52,7 @@ __all__ = [
     "mark",
     "measure_settings",
     "number_above",
+    "output_folder",
     "parse_plan",
     "parse_size",
     "progress_bar",
@@ -145,6 +146,17 @@ def number_above(low: float, *, inclusive: bool = False) -> Callable[[str], floa
     return parse
 
 
+def output_folder(text: str) -> Path:
+    """An argparse ``type`` for a folder to write into: refused at parse time when it is a file."""
+    path = Path(text)
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{folder} is a file, not a folder; give a folder path")
+        if folder.exists():
+            break
+    return path
+
+
 def check_output_folder(path: Path, flag: str) -> None:
     """Refuse an output location that is a file (or under one) before any work starts."""
     for folder in (path, *path.parents):
@@ -236,7 +248,7 @@ def add_measure_options(p: argparse.ArgumentParser, *, steps: int) -> None:
         action="store_false",
         help="all-reduce gradients at every micro-batch instead of once per window (default: defer)",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: cuda when present)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N; auto is cuda when present")
     add_threads_option(p, per="worker process")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="model and data seed")
     p.add_argument(
@@ -249,7 +261,7 @@ def add_measure_options(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument(
         "--timeout", type=number_above(0.0), default=600.0, metavar="S", help="seconds one run may take"
     )
-    p.add_argument("--out-dir", type=Path, default=Path("runs"), help="where run folders go")
+    p.add_argument("--out-dir", type=output_folder, default=Path("runs"), help="where run folders go")
     p.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar (default: shown)"
     )

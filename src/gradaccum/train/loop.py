@@ -39,8 +39,8 @@ from gradaccum.train.build import build_model, build_optimizer
 from gradaccum.train.checkpoint import (
     ResumePoint,
     TrainProgress,
+    checkpoint_problem,
     checkpoints_of,
-    find_intact,
     load_checkpoint,
     remove_partial_checkpoints,
     resolve_checkpoint,
@@ -188,12 +188,15 @@ def _check_run_folder(config: TrainConfig) -> ResumePoint | None:
     point = resolve_checkpoint(config.resume)
     source = run_folder_of(point.path)
     if _same_path(source, run_dir):
-        newest = find_intact(run_dir, checksums=False)
-        if newest is not None and newest.path != point.path:
+        passed_over = {folder for folder, _ in point.skipped}
+        folders = checkpoints_of(run_dir)
+        newer = folders[: folders.index(point.path)] if point.path in folders else []
+        newest = next((f for f in newer if f not in passed_over and not checkpoint_problem(f)), None)
+        if newest is not None:
             raise TrainError(
-                f"run folder {run_dir} holds a newer intact checkpoint ({newest.path.name}) than "
+                f"run folder {run_dir} holds a newer intact checkpoint ({newest.name}) than "
                 f"{point.path.name}: resuming the older one would give the run two histories. Resume "
-                f"{newest.path} (--resume auto), or resume {point.path.name} into a new folder (another "
+                f"{newest} (--resume auto), or resume {point.path.name} into a new folder (another "
                 "--run-dir)"
             )
     else:
