@@ -554,8 +554,9 @@ class _Signals:
     a signal arrives, and acts when the main thread cannot: at start-up, and on the second signal.
     """
 
-    def __init__(self, control: TrainControl, *, leader: bool) -> None:
-        self.control = control
+    def __init__(self, *, leader: bool) -> None:
+        self.control: TrainControl | None = None
+        """Set once the training code is imported; until then every signal ends start-up."""
         self.leader = leader
         self.run_dir: Path | None = None
         self.resume_command = ""
@@ -582,7 +583,7 @@ class _Signals:
         self._pipe = (read, write)
         handlers: dict[int, Any] = {signal.SIGINT: self._on_stop, signal.SIGTERM: self._on_stop}
         if hasattr(signal, "SIGUSR1"):
-            handlers[signal.SIGUSR1] = lambda s, f: self.control.request_checkpoint()
+            handlers[signal.SIGUSR1] = self._on_checkpoint
         if hasattr(signal, "SIGXFSZ"):
             handlers[signal.SIGXFSZ] = signal.SIG_IGN  # a file-size limit: an error, not a kill
         self._previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
@@ -608,7 +609,12 @@ class _Signals:
         self._installed = False
 
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
-        self.control.request_stop()
+        if self.control is not None:
+            self.control.request_stop()
+
+    def _on_checkpoint(self, signum: int, frame: FrameType | None) -> None:
+        if self.control is not None:
+            self.control.request_checkpoint()
 
     def _watch(self) -> None:
         assert self._pipe is not None
@@ -941,12 +947,13 @@ def _err(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradaccum.train.loop import TrainControl, train
-
-    control = TrainControl()
     leader = int(os.environ.get("RANK", "0")) == 0
     threads_before = torch.get_num_threads()
-    with _Signals(control, leader=leader) as signals:
+    # installed before the training code imports: a signal then exits at once (nothing written yet)
+    with _Signals(leader=leader) as signals:
+        from gradaccum.train.loop import TrainControl, train
+
+        control = signals.control = TrainControl()
         device = _device(args.device)
         threads = default_threads(args.threads, device.type)
         if threads is not None:

@@ -15,7 +15,9 @@ Every option's help shows its default; a help text that does not say it gets ``(
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import pkgutil
 import signal
 import sys
@@ -88,28 +90,49 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
+def _exit_while_loading(argv: Sequence[str]) -> Any:
+    """A handler for the first seconds, while torch and the commands import: print one line and
+    exit at once. Nothing has been written yet, and raising instead would be unsafe here: a
+    ``KeyboardInterrupt`` inside an import that a library guards with a broad ``except`` (torch
+    importing numpy does) is swallowed, and the command would go on with a half-imported library."""
+    prog = " ".join(p for p in ("gradaccum", _command(argv)) if p)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+        with contextlib.suppress(OSError):
+            os.write(2, f"{prog}: interrupted ({name}) while starting; nothing was done\n".encode())
+        os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+
+    return handler
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # SIGTERM interrupts like Ctrl-C (commands that handle signals themselves, like train, install
-    # their own handlers and restore this one); the previous handler comes back on the way out
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # while the commands load, a signal exits at once (see _exit_while_loading); then SIGINT raises
+    # KeyboardInterrupt and SIGTERM Terminated, for every command (train installs its own handlers)
+    previous: dict[int, Any] = {}
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        loading = _exit_while_loading(argv)
+        previous = {sig: signal.signal(sig, loading) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _main(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if main_thread:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        return _main(parser, args, argv)
     except KeyboardInterrupt as exc:
         name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
         prog = " ".join(p for p in ("gradaccum", _command(argv)) if p)
         print(f"{prog}: interrupted ({name}); stopped", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return EXIT_BAD_INPUT
