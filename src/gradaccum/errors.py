@@ -27,6 +27,7 @@ already catch those keep working. The tree::
       BenchError           a measurement that cannot be set up or summarized
       TrainError           a training run that cannot start or continue
         CheckpointError    a checkpoint that is missing, corrupt or for another run
+      CheckpointWriteError a checkpoint that could not be written (disk full); the previous one stands
       ScheduleError        a learning-rate schedule that cannot be honoured
     GuardWarning (a UserWarning)  the guard found a misuse (mode="warn")
 """
@@ -46,6 +47,7 @@ __all__ = [
     "BenchError",
     "CacheError",
     "CheckpointError",
+    "CheckpointWriteError",
     "CollectiveError",
     "ConfigError",
     "ConfigMismatchError",
@@ -200,6 +202,11 @@ class TrainError(GradAccumError, ValueError):
 
 class CheckpointError(TrainError):
     """A checkpoint that is missing, incomplete, corrupt, or written for a different run."""
+
+
+class CheckpointWriteError(GradAccumError, OSError):
+    """A checkpoint could not be written (no space left, a file-size limit, permissions). The run
+    failed rather than its input: the previous checkpoint is intact and resumes the run."""
 
 
 class ScheduleError(GradAccumError, ValueError):

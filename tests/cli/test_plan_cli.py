@@ -15,7 +15,7 @@ def test_plan_prints_the_seeds_table(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_plan_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "4x0x2"]) == 2
-    assert "dp must be a positive integer" in capsys.readouterr().err
+    assert "plan 4x0x2: DP must be at least 1, got 0" in capsys.readouterr().err
     assert main(["plan", "four"]) == 2
     assert "MICROxDPxACCUM" in capsys.readouterr().err
 

@@ -123,7 +123,7 @@ def test_scan_prints_the_effective_momentum(capsys: pytest.CaptureFixture[str]) 
         in out
     )
     assert "1 - (1 - 0.1)^4 = 0.3439 instead of 0.1" in out
-    assert "3 finding(s) break equivalence" in out
+    assert "3 findings break equivalence" in out
     assert "`gradaccum verify` is the empirical check" in out
 
 

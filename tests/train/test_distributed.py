@@ -163,6 +163,7 @@ def test_cli_trains_under_an_existing_process_group(ranks: Any) -> None:
     card = json.loads((root / "cli" / "runcard.json").read_text())
     assert (card["micro_batch"], card["dp"], card["accum_steps"], card["precision"]) == (4, 2, 2, "float64")
     assert sorted(p.name for p in (root / "cli" / "checkpoints" / "step-00000003").iterdir()) == [
+        "manifest.json",
         "rng-rank00000.pt",
         "rng-rank00001.pt",
         "state.pt",

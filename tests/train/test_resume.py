@@ -114,7 +114,7 @@ def test_resume_refuses_a_different_plan_showing_both(tmp_path: Path) -> None:
     message = str(info.value)
     assert "checkpoint: global_batch = micro_batch 4 x dp 1 x accum_steps 4 = 16" in message
     assert "this run:   global_batch = micro_batch 8 x dp 1 x accum_steps 2 = 16" in message
-    with pytest.raises(CheckpointError, match="precision 'float64', this run uses 'float32'"):
+    with pytest.raises(CheckpointError, match="uses float32; resume with --precision float64"):
         train(config(tmp_path, precision="float32", resume=tmp_path))
 
 
@@ -123,7 +123,11 @@ def test_old_checkpoints_are_pruned_and_latest_points_at_a_complete_one(tmp_path
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
     assert folders == ["step-00000004", "step-00000005"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000005"
-    assert sorted(p.name for p in result.checkpoints[-1].iterdir()) == ["rng-rank00000.pt", "state.pt"]
+    assert sorted(p.name for p in result.checkpoints[-1].iterdir()) == [
+        "manifest.json",
+        "rng-rank00000.pt",
+        "state.pt",
+    ]
     state = torch.load(result.checkpoints[-1] / "state.pt", weights_only=True)
     assert state["progress"]["windows"] == 5 and state["plan"] == {
         "micro_batch": 4,
@@ -143,7 +147,8 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints_and_latest_survives_a_bad
     tmp_path: Path,
 ) -> None:
     train(config(tmp_path, steps=3, checkpoint_every=1, keep_checkpoints=3))
-    with pytest.raises(TrainError, match="already holds checkpoints of an earlier run"):
+    holds = r"already holds another run \(runcard.json, metrics.jsonl, checkpoints/\)"
+    with pytest.raises(TrainError, match=holds):
         train(config(tmp_path, steps=3))
     # a crash between swapping a folder and re-pointing: the newest complete checkpoint is used
     (tmp_path / "checkpoints" / "latest").write_text("step-00000099\n")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
+import sys
 import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -167,10 +169,7 @@ def load_workload(spec: str) -> Workload:
             f"hf:MODEL_DIR (with --data FILE), got {spec!r}"
         )
     module_name, func_name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise WorkloadError(f"cannot import workload module {module_name!r}: {exc}") from exc
+    module = _import_workload_module(module_name)
     func = getattr(module, func_name, None)
     if func is None or not callable(func):
         raise WorkloadError(f"module {module_name!r} has no callable {func_name!r}")
@@ -188,6 +187,24 @@ def load_workload(spec: str) -> Workload:
 def _wrapped(spec: str, workload: Workload) -> Workload:
     wrapped: dict[str, Any] = {name: _reported(spec, name, getattr(workload, name)) for name in _USER_CODE}
     return dataclasses.replace(workload, **wrapped)
+
+
+def _import_workload_module(name: str) -> Any:
+    """Import ``name`` the way ``python -m`` would: the current directory is on the import path, so
+    ``--workload mywork:build`` finds ``mywork.py`` beside the caller."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name == name.split(".")[0]:
+            hint = (
+                f" (looked in the current directory {here} and on the import path: run from the folder "
+                f"that holds {name.split('.')[0]}.py, or add that folder to PYTHONPATH)"
+            )
+        raise WorkloadError(f"cannot import workload module {name!r}: {exc}{hint}") from exc
 
 
 _USER_CODE = ("build_model", "make_batch", "loss_fn", "count_fn", "optimizer_factory")

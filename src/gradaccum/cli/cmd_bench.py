@@ -8,9 +8,11 @@ from gradaccum.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     add_measure_options,
+    check_output_folder,
     console,
     escape,
     finish_launching,
+    int_at_least,
     make_launching,
     measure_settings,
     parse_plan,
@@ -22,6 +24,7 @@ from gradaccum.cli.common import (
     rich_table,
     workload_spec,
 )
+from gradaccum.errors import PlanError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,16 +35,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "R times, interleaved, each run in a fresh process: throughput, phase times, peak memory, "
         "all-reduces. Fits the memory model and prints the communication model beside the measurements.",
     )
-    p.add_argument("--global-batch", type=int, default=16, help="examples per optimizer update (default 16)")
+    p.add_argument(
+        "--global-batch",
+        type=int_at_least(1),
+        default=16,
+        metavar="G",
+        help="examples per optimizer update (default 16)",
+    )
     p.add_argument(
         "--configs",
         default=None,
-        help="comma-separated MICROxACCUM list (default: every factorization of the global batch)",
+        metavar="MICROxACCUM,...",
+        help="comma-separated configurations to measure (default: every factorization of the global batch)",
     )
     p.add_argument(
-        "--memory-budget", default=None, help="e.g. 2GiB: report the largest micro-batch that fits"
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="e.g. 2GiB: report the largest micro-batch that fits (default: no budget)",
     )
-    p.add_argument("--json", action="store_true", help="also print results.json to stdout")
+    p.add_argument("--json", action="store_true", help="also print results.json to stdout (default: tables)")
     add_measure_options(p, steps=20)
     p.set_defaults(func=run)
 
@@ -52,11 +65,14 @@ def run(args: argparse.Namespace) -> int:
     from gradaccum.bench.sweep import SweepSpec, run_sweep
     from gradaccum.check.workload import load_workload
 
+    check_output_folder(args.out_dir, "--out-dir")
     dp = resolve_dp(args.dp)
     device = resolve_device(args.device, dp)
     plans = None
     if args.configs:
         plans = tuple(parse_plan(t, dp) for t in args.configs.split(",") if t.strip())
+        if not plans:
+            raise PlanError(f"--configs {args.configs!r} names no configuration; give e.g. --configs 8x1,4x2")
     spec = SweepSpec(
         workload=workload_spec(args),
         global_batch=args.global_batch,

@@ -6,12 +6,14 @@ import argparse
 
 from rich.table import Table
 
-from gradaccum.cli.common import console, parse_plan, yes_no
+from gradaccum.cli.common import console, int_at_least, parse_plan, yes_no
 from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan, compare_plans
 
-# The seeds' worked example: 25,600 sequences, 8 replicas.
-SEEDS_PLANS = {"A": "8x8x4", "B": "4x8x8", "changed-batch": "4x8x1"}
+# The worked example shown with no arguments: an epoch of 25,600 sequences of 2,048 tokens on 8
+# data-parallel replicas, a plan A, a plan B that moves a factor of 2 from the micro-batch into the
+# accumulation (same optimization), and one that also changes the global batch (a different one).
+EXAMPLE_PLANS = {"A": "8x8x4", "B": "4x8x8", "changed-batch": "4x8x1"}
 
 
 def _named_plan(text: str) -> tuple[str, BatchPlan]:
@@ -24,21 +26,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="print the batch equation and compare plans",
         description="Print the batch equation of each plan and whether it holds global batch, "
-        "tokens per step and update count fixed against the first. With no plans: the seeds' example.",
+        "tokens per step and update count fixed against the first. With no plans: a worked example of "
+        "25,600 sequences on 8 replicas (A = 8x8x4, B = 4x8x8, changed-batch = 4x8x1).",
     )
     p.add_argument(
         "plans",
         nargs="*",
         metavar="[NAME=]MICROxDPxACCUM",
-        help="plans to compare, the first is the baseline (default: the seeds' A, B, changed-batch)",
+        help="plans to compare, the first is the baseline; MICRO examples per forward, DP replicas, "
+        "ACCUM micro-batches per optimizer step (default: A=8x8x4 B=4x8x8 changed-batch=4x8x1)",
     )
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--dataset-size", type=int, default=25_600, help="sequences in one epoch (default 25600)")
+    p.add_argument(
+        "--seq-len",
+        type=int_at_least(1),
+        default=2048,
+        metavar="N",
+        help="tokens per sequence (default 2048)",
+    )
+    p.add_argument(
+        "--dataset-size",
+        type=int_at_least(0),
+        default=25_600,
+        metavar="N",
+        help="sequences in one epoch (default 25600)",
+    )
     p.add_argument(
         "--final-window",
         choices=("keep", "drop"),
         default="keep",
-        help="count a final partial window as an update (keep) or discard it (drop)",
+        help="count a final partial window as an update (keep) or discard it (drop) (default keep)",
     )
     p.set_defaults(func=run)
 
@@ -47,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
     named = (
         [_named_plan(t) for t in args.plans]
         if args.plans
-        else [(name, parse_plan(spec)) for name, spec in SEEDS_PLANS.items()]
+        else [(name, parse_plan(spec)) for name, spec in EXAMPLE_PLANS.items()]
     )
     plans = dict(named)
     if len(plans) != len(named):
-        raise PlanError("plan names must be unique")
+        names = [name for name, _ in named]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        raise PlanError(f"plan names must be unique; {', '.join(repeated)} is given more than once")
     comparison = compare_plans(
         plans, seq_len=args.seq_len, dataset_size=args.dataset_size, final_window=args.final_window
     )

@@ -38,7 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="examples per forward (default: the workload's)",
     )
-    p.add_argument("--strict", action="store_true", help="exit 1 when a finding breaks equivalence")
+    p.add_argument(
+        "--strict", action="store_true", help="exit 1 when a finding breaks equivalence (default: exit 0)"
+    )
     p.set_defaults(func=run)
 
 
@@ -67,10 +69,16 @@ def run(args: argparse.Namespace) -> int:
     render_findings(findings)
     breaking = [f for f in findings if f.breaks_equivalence]
     if breaking:
+        count = f"{len(breaking)} finding breaks" if len(breaking) == 1 else f"{len(breaking)} findings break"
         console.print(
-            f"{len(breaking)} finding(s) break equivalence: the accumulated update will not be the "
-            f"full-batch one. Measure it: gradaccum verify --workload {escape(args.workload)}"
+            f"{count} equivalence: the accumulated update will not be the full-batch one. Measure it: "
+            f"gradaccum verify --workload {escape(args.workload)}"
         )
+        if "in-batch-negatives" in workload.declared_hazards:
+            console.print(
+                "for the in-batch negatives: step with gradaccum.CachedAccumulator, and check that it "
+                f"is exact with gradaccum verify --workload {escape(args.workload)} --cached"
+            )
     else:
         console.print("nothing found that breaks equivalence; verify is still the check that proves it")
     return 1 if (args.strict and breaking) else 0

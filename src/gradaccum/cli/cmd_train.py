@@ -4,11 +4,22 @@
     gradaccum train --global-batch 64 --micro-batch 8 --schedule-clock tokens
     gradaccum train --runcard runs/accept-.../runcard.json      # exactly what accept verified
     torchrun --nproc_per_node 2 -m gradaccum train --fsdp       # DDP by default, FSDP2 with --fsdp
-    gradaccum train --resume runs/train-...                     # continue from the latest checkpoint
+    gradaccum train --run-dir runs/x --resume auto              # continue, or start, runs/x
 
 This module is the only training code that reads environment variables (torchrun's RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), installs signal handlers (SIGUSR1: checkpoint at the
-next boundary; SIGTERM / first Ctrl-C: checkpoint and stop there) and prints (rank 0 only).
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), installs signal handlers and prints (rank 0 only).
+
+Signals, as job schedulers expect (:class:`_Signals`): SIGUSR1 checkpoints at the next boundary and
+carries on. The first SIGINT or SIGTERM finishes the current window, checkpoints at its boundary
+and exits 130 (SIGINT) or 143 (SIGTERM), printing the resume command. A second one, a second or
+more after the first, stops at once: it removes the unfinished checkpoint folder and exits 130; the
+newest complete checkpoint is untouched. (A repeat within the second is the same request arriving
+twice, as torchrun forwards the terminal's Ctrl-C to workers that already got it.) Before the
+first window nothing has been written, so a signal then ends the process at once, with one line.
+The second signal and the start-up case are served by a watcher thread woken by
+``signal.set_wakeup_fd``, so they act even while the main thread is inside torch (a forward, a
+collective, ``torch.save``). SIGXFSZ is ignored, so a file-size limit surfaces as an error naming
+the file rather than killing the process.
 """
 
 from __future__ import annotations
@@ -16,14 +27,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import signal
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,26 +44,65 @@ import torch
 from gradaccum.cli.common import (
     DEFAULT_WORKLOAD,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
     add_data_options,
+    add_threads_option,
+    check_output_folder,
     console,
+    default_threads,
     escape,
+    int_at_least,
+    number_above,
+    output_folder,
     workload_spec,
 )
 from gradaccum.distributed import dist
-from gradaccum.errors import PlanError, TooManySkipsError, TrainError
+from gradaccum.errors import (
+    CheckpointWriteError,
+    CollectiveError,
+    GradAccumError,
+    PlanError,
+    RunCardError,
+    TooManySkipsError,
+    TrainError,
+)
 from gradaccum.plan import BatchPlan
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
+    from gradaccum.runcard import RunCard
     from gradaccum.train.config import TrainConfig
     from gradaccum.train.loop import TrainControl, TrainResult
     from gradaccum.train.records import StepRecord, TrainEvent, TrainStart
 
 DEFAULT_GLOBAL_BATCH, DEFAULT_MICRO_BATCH, DEFAULT_STEPS = 32, 8, 200
-# flags a run card fixes; given explicitly beside --runcard they are refused, not silently ignored
-CARD_FLAGS = ("workload", "global_batch", "micro_batch", "precision", "seed", "max_grad_norm")
+DEFAULT_OPTIMIZER, DEFAULT_LR, DEFAULT_WEIGHT_DECAY = "adamw", 1e-2, 0.0
+DEFAULT_MAX_GRAD_NORM, DEFAULT_MAX_SKIPS = 1.0, 10
+# the defaults of TrainConfig, repeated in the help (imported lazily: the parser stays light)
+DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_KEEP = 100, 30.0, 3
+REPEAT_S = 1.0
+"""A second stop signal sooner than this after the first is the same request delivered twice."""
+PROBE_S = 2.0
+"""How long a surviving rank waits for the others to answer after a collective failed."""
+AUTO = ("auto", "latest")
+
+# flags that change what a run card fixes (the plan, the arithmetic of the update, the optimizer);
+# beside --runcard they are refused, naming the card's value, never silently ignored
+CARD_FLAGS = (
+    "workload",
+    "global_batch",
+    "micro_batch",
+    "precision",
+    "seed",
+    "optimizer",
+    "lr",
+    "weight_decay",
+    "max_grad_norm",
+    "max_consecutive_skips",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,63 +110,183 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train with exact accumulation (one process, or DDP/FSDP2 under torchrun)",
         description="Train a workload with exact gradient accumulation. Every flag has a default that "
-        "fits the bundled tiny GPT; under torchrun the same command runs data-parallel.",
+        "fits the bundled tiny GPT; under torchrun the same command runs data-parallel. Exit codes: 0 "
+        "done, 1 the run failed (a rank lost, a full disk, out of memory, diverged), 2 bad input, 130 "
+        "stopped by SIGINT, 143 stopped by SIGTERM (both after a checkpoint: rerun with --resume auto).",
     )
     what = p.add_argument_group("what to train")
     what.add_argument(
         "--workload",
         metavar="MODULE:FUNCTION",
-        help=f"or hf:MODEL_DIR with --data (default {DEFAULT_WORKLOAD})",
-    )
-    what.add_argument("--runcard", type=Path, help="train exactly the plan/precision/accum of this run card")
-    what.add_argument(
-        "--global-batch", type=int, help=f"examples per optimizer step (default {DEFAULT_GLOBAL_BATCH})"
+        help=f"the function that returns a gradaccum.Workload (MODULE is imported from the current "
+        f"directory or the import path), or hf:MODEL_DIR with --data FILE (default {DEFAULT_WORKLOAD})",
     )
     what.add_argument(
-        "--micro-batch", type=int, help=f"examples per forward pass (default {DEFAULT_MICRO_BATCH})"
+        "--runcard",
+        type=Path,
+        metavar="PATH",
+        help="train exactly what this run card records: workload, plan, precision, seed, "
+        "accumulation settings and optimizer (default: none, the flags below)",
     )
     what.add_argument(
-        "--precision", choices=("float32", "bfloat16", "float16", "float64"), help="(default float32)"
+        "--global-batch",
+        type=int_at_least(1),
+        metavar="G",
+        help=f"examples per optimizer step, all ranks (default {DEFAULT_GLOBAL_BATCH})",
     )
-    what.add_argument("--seed", type=int, help="data stream and dropout seed (default 0)")
+    what.add_argument(
+        "--micro-batch",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"examples per forward pass on each rank (default {DEFAULT_MICRO_BATCH})",
+    )
+    what.add_argument(
+        "--precision",
+        choices=("float32", "bfloat16", "float16", "float64"),
+        help="compute precision; float16 adds a GradScaler (default float32)",
+    )
+    what.add_argument(
+        "--seed", type=int_at_least(0), metavar="S", help="data stream and dropout seed (default 0)"
+    )
     length = p.add_argument_group("how long")
-    length.add_argument("--steps", type=int, help=f"optimizer boundaries to train (default {DEFAULT_STEPS})")
-    length.add_argument("--tokens", type=int, help="stop once this many valid tokens were consumed")
+    length.add_argument(
+        "--steps",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"optimizer boundaries to train, skipped ones included (default {DEFAULT_STEPS}, or none "
+        "with --tokens)",
+    )
+    length.add_argument(
+        "--tokens",
+        type=int_at_least(1),
+        metavar="T",
+        help="stop once this many valid tokens were consumed (default: no token limit)",
+    )
     opt = p.add_argument_group("optimizer and schedule")
-    opt.add_argument("--optimizer", choices=("adamw", "sgd", "workload"), default="adamw")
-    opt.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
-    opt.add_argument("--weight-decay", type=float, default=0.0)
     opt.add_argument(
-        "--max-grad-norm", type=float, help="clip the accumulated gradient (default 1.0; 0: off)"
+        "--optimizer",
+        choices=("adamw", "sgd", "workload"),
+        help=f"adamw or sgd at --lr and --weight-decay, or the workload's own optimizer_factory "
+        f"(default {DEFAULT_OPTIMIZER})",
     )
     opt.add_argument(
-        "--max-consecutive-skips", type=int, default=10, help="stop after this many skips in a row"
+        "--lr",
+        type=number_above(0.0),
+        metavar="LR",
+        help=f"peak learning rate; the schedule scales it (default {DEFAULT_LR:g})",
     )
-    opt.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    opt.add_argument(
+        "--weight-decay",
+        type=number_above(0.0, inclusive=True),
+        metavar="W",
+        help=f"decoupled weight decay (adamw) or L2 penalty (sgd) (default {DEFAULT_WEIGHT_DECAY:g})",
+    )
+    opt.add_argument(
+        "--max-grad-norm",
+        type=number_above(0.0, inclusive=True),
+        metavar="NORM",
+        help=f"clip the accumulated gradient to this norm; 0 turns clipping off "
+        f"(default {DEFAULT_MAX_GRAD_NORM:g})",
+    )
+    opt.add_argument(
+        "--max-consecutive-skips",
+        type=int_at_least(1),
+        metavar="K",
+        help=f"stop when this many updates in a row were skipped as non-finite (default {DEFAULT_MAX_SKIPS})",
+    )
+    opt.add_argument(
+        "--schedule",
+        choices=("cosine", "constant"),
+        default="cosine",
+        help="linear warmup, then cosine decay to --min-lr-ratio, or then flat (default cosine)",
+    )
     opt.add_argument(
         "--schedule-clock",
         choices=("steps", "tokens"),
         default="steps",
-        help="advance the schedule per applied optimizer step or per consumed valid token",
+        help="advance the schedule per applied optimizer step or per consumed valid token (default steps)",
     )
-    opt.add_argument("--warmup", type=int, help="warmup in clock units (default 10%% of the horizon)")
-    opt.add_argument("--horizon", type=int, help="where the cosine ends, in clock units (default: the run)")
-    opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor / peak (default 0.1)")
+    opt.add_argument(
+        "--warmup",
+        type=int_at_least(0),
+        metavar="N",
+        help="warmup in clock units (default 10%% of the horizon)",
+    )
+    opt.add_argument(
+        "--horizon",
+        type=int_at_least(1),
+        metavar="N",
+        help="where the cosine ends, in clock units (default: the run's length)",
+    )
+    opt.add_argument(
+        "--min-lr-ratio",
+        type=_ratio,
+        default=0.1,
+        metavar="R",
+        help="the cosine's floor as a fraction of the peak, 0 to 1 (default 0.1)",
+    )
     where = p.add_argument_group("run")
     where.add_argument(
-        "--device", default="auto", help="auto, cpu, cuda (default auto: cuda:LOCAL_RANK if any)"
+        "--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: cuda:LOCAL_RANK if any)"
     )
-    where.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
-    where.add_argument("--run-dir", type=Path, help="run folder (default runs/train-<timestamp>)")
-    where.add_argument("--resume", type=Path, help="a checkpoint folder or run folder to continue from")
     where.add_argument(
-        "--checkpoint-every", type=int, help="checkpoint every N boundaries (default: end only)"
+        "--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP (default DDP)"
     )
-    where.add_argument("--keep-checkpoints", type=int, default=2)
-    where.add_argument("--eval-every", type=int, help="evaluate every N boundaries (default: never)")
-    where.add_argument("--eval-examples", type=int, default=64)
+    add_threads_option(where, per="process, printed at start, as bench and accept")
+    where.add_argument(
+        "--run-dir",
+        type=output_folder,
+        metavar="PATH",
+        help="run folder; a fresh run refuses one that holds another run (default runs/train-<time>)",
+    )
+    where.add_argument(
+        "--resume",
+        metavar="PATH|auto",
+        help="continue from a checkpoint folder, or from a run folder's newest intact checkpoint; "
+        "auto (or latest): the newest intact checkpoint of --run-dir, or a fresh run there if it has "
+        "none yet; without --run-dir, of the newest run under runs/ (default: a fresh run)",
+    )
+    where.add_argument(
+        "--checkpoint-every",
+        type=int_at_least(0),
+        metavar="N",
+        help=f"checkpoint every N applied updates; 0: not by count (default {DEFAULT_CHECKPOINT_EVERY})",
+    )
+    where.add_argument(
+        "--checkpoint-minutes",
+        type=number_above(0.0, inclusive=True),
+        metavar="M",
+        help=f"checkpoint at the first boundary M minutes after the last one, whichever of this and "
+        f"--checkpoint-every comes first; 0: not by time (default {DEFAULT_CHECKPOINT_MINUTES:g})",
+    )
+    where.add_argument(
+        "--keep-checkpoints",
+        type=int_at_least(1),
+        metavar="K",
+        help=f"intact checkpoints kept; older ones are deleted (default {DEFAULT_KEEP})",
+    )
+    where.add_argument(
+        "--eval-every",
+        type=int_at_least(1),
+        metavar="N",
+        help="evaluate on held-out examples every N boundaries and at the end (default: never)",
+    )
+    where.add_argument(
+        "--eval-examples",
+        type=int_at_least(1),
+        default=64,
+        metavar="N",
+        help="held-out examples per evaluation, split across ranks (default 64)",
+    )
     add_data_options(p)
     p.set_defaults(func=run)
+
+
+def _ratio(text: str) -> float:
+    value = number_above(0.0, inclusive=True)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text}")
+    return value
 
 
 # -- building the config -----------------------------------------------------------------------
@@ -124,42 +296,62 @@ def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _plan_and_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[str, Any]]:
-    """The plan (solved against --global-batch, or the card's) and the settings the card fixes."""
-    from gradaccum.runcard import read_runcard
-    from gradaccum.step.config import AccumConfig
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
 
-    if args.runcard is None:
-        plan = BatchPlan.solve(
-            global_batch=_given(args.global_batch, DEFAULT_GLOBAL_BATCH),
-            micro_batch=_given(args.micro_batch, DEFAULT_MICRO_BATCH),
-            dp=world,
-        )
-        max_norm = _given(args.max_grad_norm, 1.0)
-        try:
-            accum = AccumConfig(
-                max_grad_norm=max_norm if max_norm != 0 else None,  # 0 turns clipping off
-                track_grad_norm=True,
-                max_consecutive_skips=args.max_consecutive_skips,
-            )
-        except ValueError as exc:
-            raise TrainError(f"--max-grad-norm / --max-consecutive-skips: {exc}") from exc
-        fixed = {
-            "workload": _given(args.workload, DEFAULT_WORKLOAD),
-            "precision": _given(args.precision, "float32"),
-            "seed": _given(args.seed, 0),
-            "accum": accum,
-        }
-        return plan, fixed
-    given = [f"--{name.replace('_', '-')}" for name in CARD_FLAGS if getattr(args, name) is not None]
-    if given:
-        raise PlanError(f"--runcard fixes {', '.join(given)}; drop them, or train without the card")
+
+def _card_value(card: RunCard, name: str) -> str:
+    values = {
+        "workload": card.workload,
+        "global_batch": f"{card.plan.global_batch} ({card.plan.equation()})",
+        "micro_batch": f"{card.plan.micro_batch} ({card.plan.equation()})",
+        "precision": card.precision,
+        "seed": card.seed,
+        "optimizer": card.optimizer,
+        "lr": "none (the workload's optimizer)" if card.lr is None else f"{card.lr:g}",
+        "weight_decay": "none (the workload's optimizer)"
+        if card.weight_decay is None
+        else f"{card.weight_decay:g}",
+        "max_grad_norm": _word(card.accum.max_grad_norm),
+        "max_consecutive_skips": _word(card.accum.max_consecutive_skips),
+    }
+    return str(values[name])
+
+
+def _word(value: Any) -> str:
+    """A setting as a person writes it: no Python ``None``/``True``."""
+    if value is None:
+        return "off"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _from_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[str, Any], list[str]]:
+    """The plan and settings a run card fixes, and the lines that say what was taken from it."""
+    from gradaccum.runcard import read_runcard
+
     card = read_runcard(args.runcard)
+    given = [name for name in CARD_FLAGS if getattr(args, name) is not None]
+    if given:
+        clashes = "; ".join(
+            f"{_flag(name)} {_word(getattr(args, name))} (the card has {_card_value(card, name)})"
+            for name in given
+        )
+        raise PlanError(
+            f"--runcard {args.runcard} fixes what was verified, and these flags would change it: "
+            f"{clashes}. Drop them, or train without --runcard."
+        )
     if card.plan.dp != world:
         raise PlanError(
             f"run card {args.runcard} was verified with dp={card.plan.dp} ({card.plan.equation()}), but "
-            f"this job has {world} process(es). Launch with torchrun --nproc_per_node {card.plan.dp}, or "
-            "verify a plan for this world size."
+            f"this job has {_count(world, 'process')}. Launch with torchrun --nproc-per-node "
+            f"{card.plan.dp}, or verify a plan for this world size."
+        )
+    if card.optimizer in ("adamw", "sgd") and card.lr is None:
+        raise RunCardError(
+            f"run card {args.runcard} names optimizer {card.optimizer} but no lr; it cannot be trained "
+            "as recorded (write lr into the card, or run accept again)"
         )
     # track_grad_norm only adds the norm to the records; it does not change the update
     fixed = {
@@ -167,17 +359,73 @@ def _plan_and_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dic
         "precision": card.precision,
         "seed": card.seed,
         "accum": replace(card.accum, track_grad_norm=True),
+        "optimizer": card.optimizer,
+        "lr": card.lr if card.lr is not None else DEFAULT_LR,
+        "weight_decay": card.weight_decay if card.weight_decay is not None else DEFAULT_WEIGHT_DECAY,
     }
-    return card.plan, fixed
+    if card.optimizer == "workload":
+        optimizer = "the workload's own optimizer_factory (its learning rates are the schedule's peak)"
+    else:
+        optimizer = f"{card.optimizer}, lr {card.lr:g}, weight decay {_word(fixed['weight_decay'])}"
+    accum = ", ".join(f"{k} {_word(v)}" for k, v in card.accum.to_dict().items() if k != "track_grad_norm")
+    lines = [
+        f"from run card {args.runcard}: workload {card.workload}; {card.plan.equation()}; precision "
+        f"{card.precision}"
+        + (" (with a GradScaler)" if card.precision == "float16" else "")
+        + f"; seed {card.seed}",
+        f"from run card: optimizer {optimizer}",
+        f"from run card: accumulation {accum}",
+    ]
+    return card.plan, fixed, lines
 
 
-def _build_config(args: argparse.Namespace, world: int, device: torch.device, run_dir: Path) -> TrainConfig:
+def _from_flags(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[str, Any]]:
+    from gradaccum.step.config import AccumConfig
+
+    plan = BatchPlan.solve(
+        global_batch=_given(args.global_batch, DEFAULT_GLOBAL_BATCH),
+        micro_batch=_given(args.micro_batch, DEFAULT_MICRO_BATCH),
+        dp=world,
+    )
+    max_norm = _given(args.max_grad_norm, DEFAULT_MAX_GRAD_NORM)
+    accum = AccumConfig(
+        max_grad_norm=max_norm if max_norm != 0 else None,  # 0 turns clipping off
+        track_grad_norm=True,
+        max_consecutive_skips=_given(args.max_consecutive_skips, DEFAULT_MAX_SKIPS),
+    )
+    fixed = {
+        "workload": _given(args.workload, DEFAULT_WORKLOAD),
+        "precision": _given(args.precision, "float32"),
+        "seed": _given(args.seed, 0),
+        "accum": accum,
+        "optimizer": _given(args.optimizer, DEFAULT_OPTIMIZER),
+        "lr": _given(args.lr, DEFAULT_LR),
+        "weight_decay": _given(args.weight_decay, DEFAULT_WEIGHT_DECAY),
+    }
+    return plan, fixed
+
+
+def _build_config(
+    args: argparse.Namespace, world: int, device: torch.device, run_dir: Path, resume: Path | None
+) -> tuple[TrainConfig, list[str]]:
     from gradaccum.train.config import TrainConfig
     from gradaccum.train.schedule import ScheduleConfig
 
-    plan, fixed = _plan_and_card(args, world)
+    lines: list[str] = []
+    if args.runcard is not None:
+        plan, fixed, lines = _from_card(args, world)
+    else:
+        plan, fixed = _from_flags(args, world)
     steps = args.steps if args.steps is not None or args.tokens is not None else DEFAULT_STEPS
-    return TrainConfig(
+    every = _given(args.checkpoint_every, DEFAULT_CHECKPOINT_EVERY)
+    minutes = _given(args.checkpoint_minutes, DEFAULT_CHECKPOINT_MINUTES)
+    warmup, horizon = args.warmup, args.horizon
+    if args.schedule == "cosine" and warmup is not None and horizon is not None and warmup > horizon:
+        raise PlanError(
+            f"--warmup {warmup} is longer than --horizon {horizon} ({args.schedule_clock}); "
+            "shorten the warmup or lengthen the horizon"
+        )
+    config = TrainConfig(
         plan=plan,
         run_dir=run_dir,
         workload=fixed["workload"],
@@ -190,23 +438,25 @@ def _build_config(args: argparse.Namespace, world: int, device: torch.device, ru
             horizon=args.horizon,
             min_lr_ratio=args.min_lr_ratio,
         ),
-        optimizer=args.optimizer,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
+        optimizer=fixed["optimizer"],
+        lr=fixed["lr"],
+        weight_decay=fixed["weight_decay"],
         precision=fixed["precision"],
         accum=fixed["accum"],
         seed=fixed["seed"],
         device=str(device),
         fsdp=args.fsdp,
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
+        checkpoint_every=every if every > 0 else None,
+        checkpoint_minutes=minutes if minutes > 0 else None,
+        keep_checkpoints=_given(args.keep_checkpoints, DEFAULT_KEEP),
         eval_every=args.eval_every,
         eval_examples=args.eval_examples,
-        resume=args.resume,
+        resume=resume,
     )
+    return config, lines
 
 
-# -- process group, device, run folder, signals -----------------------------------------------
+# -- process group, device, run folder -------------------------------------------------------------
 
 
 def _device(choice: str) -> torch.device:
@@ -215,10 +465,10 @@ def _device(choice: str) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(choice)
-    except RuntimeError as exc:
-        raise TrainError(
-            f"--device {choice!r} is not a device ({exc}); use auto, cpu, cuda or cuda:N"
-        ) from exc
+    except RuntimeError:
+        raise TrainError(f"--device {choice} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise TrainError(f"--device {choice} is not supported by train; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise TrainError(f"--device {choice} but this torch sees no CUDA device; use --device cpu")
@@ -240,50 +490,285 @@ def _init_distributed(device: torch.device) -> bool:
     return True
 
 
-def _run_dir(args: argparse.Namespace) -> Path:
-    """The run folder, decided on rank 0 and shared, so every rank checkpoints into the same one."""
-    from gradaccum.train.checkpoint import resolve_checkpoint
+def _new_run_dir(root: Path) -> Path:
+    """``root/train-<time>``, with a suffix when another run already took that name."""
+    base = root / time.strftime("train-%Y%m%d-%H%M%S")
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    return folder
 
-    if args.run_dir is not None:
-        mine = args.run_dir
-    elif args.resume is not None:
-        mine = resolve_checkpoint(args.resume).parent.parent
+
+def _newest_run_with_checkpoint(root: Path) -> Path | None:
+    from gradaccum.train.checkpoint import find_intact
+
+    runs = sorted(
+        (p for p in root.glob("train-*") if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    return next((run for run in runs if find_intact(run, checksums=False) is not None), None)
+
+
+def _where(args: argparse.Namespace) -> tuple[Path, Path | None, str | None]:
+    """(run folder, what to resume or None, a note): decided on rank 0 and shared by all ranks."""
+    from gradaccum.train.checkpoint import checkpoints_of, find_intact, run_folder_of
+
+    note = None
+    if args.resume is None:
+        run_dir = args.run_dir if args.run_dir is not None else _new_run_dir(Path("runs"))
+        resume = None
+    elif args.resume in AUTO:
+        if args.run_dir is None:
+            found = _newest_run_with_checkpoint(Path("runs"))
+            if found is None:
+                raise TrainError(
+                    f"--resume {args.resume} found no run folder with an intact checkpoint under runs/; "
+                    "give the run's folder with --run-dir (a fresh run starts there if it holds none yet)"
+                )
+            run_dir, resume = found, found
+        elif find_intact(args.run_dir) is not None or checkpoints_of(args.run_dir):
+            run_dir, resume = args.run_dir, args.run_dir  # broken-only folders are refused with details
+        else:
+            run_dir, resume = args.run_dir, None
+            note = f"--resume {args.resume}: {args.run_dir} holds no checkpoint yet; starting a new run there"
     else:
-        mine = Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
-    return Path(dist.all_gather_objects(str(mine))[0])
+        resume = Path(args.resume)
+        run_dir = args.run_dir if args.run_dir is not None else run_folder_of(resume)
+    check_output_folder(Path(run_dir), "--run-dir")
+    return Path(run_dir), resume, note
 
 
-@contextlib.contextmanager
-def _signals(control: TrainControl) -> Iterator[None]:
-    """SIGUSR1: checkpoint at the next boundary. SIGTERM, first Ctrl-C: checkpoint there and stop."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _shared(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (an error on rank 0 is raised on every rank)."""
+    return dist.all_gather_objects(value, what="the run folder")[0]
 
-    def on_interrupt(signum: int, frame: Any) -> None:
-        control.request_stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts at once
 
-    handlers = {signal.SIGTERM: lambda s, f: control.request_stop(), signal.SIGINT: on_interrupt}
-    if hasattr(signal, "SIGUSR1"):
-        handlers[signal.SIGUSR1] = lambda s, f: control.request_checkpoint()
-    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+# -- signals ------------------------------------------------------------------------------------
+
+_NAMES: dict[int, str] = {int(signal.SIGINT): "SIGINT", int(signal.SIGTERM): "SIGTERM"}
+
+
+class _Signals:
+    """The signal handling described in the module docstring, for the duration of a ``with``.
+
+    The Python-level handlers run in the main thread between bytecodes and only count requests
+    (:class:`TrainControl`), so a request is never lost and is served at the next boundary. The
+    watcher thread reads the signal numbers that the C-level handler writes into a pipe the moment
+    a signal arrives, and acts when the main thread cannot: at start-up, and on the second signal.
+    """
+
+    def __init__(self, *, leader: bool) -> None:
+        self.control: TrainControl | None = None
+        """Set once the training code is imported; until then every signal ends start-up."""
+        self.leader = leader
+        self.run_dir: Path | None = None
+        self.resume_command = ""
+        self.training = False
+        self.first: int | None = None
+        self._first_at = 0.0
+        self._installed = False
+        self._previous: dict[int, Any] = {}
+        self._previous_fd = -1
+        self._pipe: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """What a run stopped by this process's first signal exits with (143 when another rank's
+        request stopped it: it was terminated from outside)."""
+        return EXIT_INTERRUPTED if self.first == signal.SIGINT else EXIT_TERMINATED
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # a library caller's thread: signals are its business
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._pipe = (read, write)
+        handlers: dict[int, Any] = {signal.SIGINT: self._on_stop, signal.SIGTERM: self._on_stop}
+        if hasattr(signal, "SIGUSR1"):
+            handlers[signal.SIGUSR1] = self._on_checkpoint
+        if hasattr(signal, "SIGXFSZ"):
+            handlers[signal.SIGXFSZ] = signal.SIG_IGN  # a file-size limit: an error, not a kill
+        self._previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._installed = True
+        self._thread = threading.Thread(target=self._watch, name="gradaccum-signals", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._installed or self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        read, write = self._pipe
+        with contextlib.suppress(OSError):
+            os.write(write, b"\0")  # wakes the watcher to leave
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        os.close(read)
+        os.close(write)
+        self._installed = False
+
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        if self.control is not None:
+            self.control.request_stop()
+
+    def _on_checkpoint(self, signum: int, frame: FrameType | None) -> None:
+        if self.control is not None:
+            self.control.request_checkpoint()
+
+    def _watch(self) -> None:
+        assert self._pipe is not None
+        while True:
+            try:
+                data = os.read(self._pipe[0], 64)
+            except OSError:
+                return
+            for signum in data:
+                if signum == 0:
+                    return
+                if signum in _NAMES:
+                    self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        name = _NAMES[signum]
+        if not self.training:
+            code = EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
+            self._exit_now(
+                code, f"interrupted ({name}) during start-up; nothing was trained or written", resume=False
+            )
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self._first_at = signum, now
+            self._say(
+                f"{name}: finishing this window, then checkpointing and stopping; a second signal "
+                "(Ctrl-C again) stops at once, without the checkpoint"
+            )
+        elif now - self._first_at >= REPEAT_S:
+            self._exit_now(EXIT_INTERRUPTED, self._stopped_now(name))
+
+    def _stopped_now(self, name: str) -> str:
+        from gradaccum.train.checkpoint import find_intact, remove_partial_checkpoints
+
+        if self.run_dir is None:
+            return f"second signal ({name}): stopped at once"
+        if self.leader:
+            for _ in range(2):  # the main thread may have been creating the folder meanwhile
+                remove_partial_checkpoints(self.run_dir)
+        point = find_intact(self.run_dir, checksums=False)
+        kept = (
+            f"the newest complete checkpoint, {point.path}, is intact"
+            if point is not None
+            else "no checkpoint was complete yet"
+        )
+        return (
+            f"second signal ({name}): stopped at once, mid-window; the unfinished checkpoint was removed "
+            f"and {kept}"
+        )
+
+    def _say(self, text: str) -> None:
+        if self.leader:
+            with contextlib.suppress(OSError):
+                os.write(2, f"gradaccum train: {text}\n".encode())
+
+    def _exit_now(self, code: int, text: str, *, resume: bool = True) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        command = self.resume_command if resume else ""
+        self._say(text + (f"\n  resume with: {command}" if command else ""))
+        os._exit(code)
+
+
+# -- the resume command and a lost rank ---------------------------------------------------------------
+
+
+def _resume_command(args: argparse.Namespace, run_dir: Path, world: int) -> str:
+    """The command that continues this run: the same flags, ``--run-dir RUN --resume auto``."""
+    argv = list(getattr(args, "argv", None) or ["train"])
+    kept: list[str] = []
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if token in ("--resume", "--run-dir"):
+            skip = True
+            continue
+        if token.startswith(("--resume=", "--run-dir=")):
+            continue
+        kept.append(token)
+    kept += ["--run-dir", str(run_dir), "--resume", "auto"]
+    if world > 1:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        launch = (
+            f"torchrun --nproc-per-node {world}" if local == world else "torchrun <the same launch flags>"
+        )
+        return f"{launch} -m gradaccum {shlex.join(kept)}"
+    return f"gradaccum {shlex.join(kept)}"
+
+
+def _lost_ranks(world: int, rank: int) -> list[int] | None:
+    """Which ranks stopped answering, found by each survivor checking in with torchrun's store and
+    waiting :data:`PROBE_S` for the others; None when it cannot be told."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        try:
+            store = torch.distributed.TCPStore(
+                addr, int(port), is_master=False, timeout=timedelta(seconds=PROBE_S), wait_for_workers=False
+            )
+            prefix = (
+                f"gradaccum/lost/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+            )
+            store.set(f"{prefix}{rank}", "alive")
+            deadline = time.monotonic() + PROBE_S
+            missing = [r for r in range(world) if r != rank]
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
+                if missing:
+                    time.sleep(0.1)
+            return missing
+        except Exception:  # no store to ask (it went with the lost rank's node): say what is known
+            pass
+    return [1 - rank] if world == 2 else None
+
+
+def _lost_rank_message(exc: BaseException, world: int, rank: int, resume: str, run_dir: Path) -> str:
+    from gradaccum.train.checkpoint import find_intact
+
+    lost = _lost_ranks(world, rank)
+    if lost:
+        who = f"rank {lost[0]}" if len(lost) == 1 else "ranks " + ", ".join(map(str, lost))
+        head = f"rank {rank}: {who} of {world} stopped answering (its process died or hangs)"
+    else:
+        head = f"rank {rank}: another rank of {world} stopped answering (its process died or hangs)"
+    point = find_intact(run_dir, checksums=False)
+    kept = f"the newest complete checkpoint is {point.path}" if point else "no checkpoint was written yet"
+    detail = str(exc).split(" (")[0] if isinstance(exc, CollectiveError) else type(exc).__name__
+    return (
+        f"{head}, so this rank stops too ({detail}). The lost rank's own log holds its first error; "
+        f"{kept}.\n  resume with: {resume}"
+    )
 
 
 # -- rendering ---------------------------------------------------------------------------------
 
 
+def _count(n: int, word: str) -> str:
+    plural = {"process": "processes", "boundary": "boundaries", "update": "updates"}.get(word, word + "s")
+    return f"{n:,} {word if n == 1 else plural}"
+
+
 class _Renderer:
     """Rank 0's view of the run: start banner, progress bar (or periodic lines), events, summary."""
 
-    def __init__(self, config: TrainConfig, args: argparse.Namespace) -> None:
+    def __init__(self, config: TrainConfig, args: argparse.Namespace, notes: list[str]) -> None:
         self.config = config
         self.args = args
+        self.notes = notes
         self.steps: list[StepRecord] = []
         self.progress: Progress | None = None
         self.task: Any = None
@@ -302,7 +787,9 @@ class _Renderer:
                 f"eval at step {event.step}: loss {_fmt(event.eval_loss)} over {event.eval_tokens:,} tokens"
             )
         elif isinstance(event, CheckpointRecord):
-            self._print(f"checkpoint ({event.reason}) after {event.window} boundaries: {escape(event.path)}")
+            self._print(
+                f"checkpoint ({event.reason}) after {_count(event.window, 'boundary')}: {escape(event.path)}"
+            )
 
     def _print(self, text: str) -> None:
         (self.progress.console if self.progress is not None else console).print(text)
@@ -316,6 +803,8 @@ class _Renderer:
         else:
             checked = f" (checked against --global-batch {cfg.plan.global_batch})"
         console.print(f"batch equation: {start.equation}{checked}")
+        for line in self.notes:
+            console.print(escape(line))
         sched = start.schedule
         per_step = max(start.tokens_per_step, 1)
         if sched["clock"] == "steps":
@@ -323,22 +812,31 @@ class _Renderer:
         else:
             warmup_steps, warmup_tokens = sched["warmup"] / per_step, sched["warmup"]
         layout = ", FSDP2" if cfg.fsdp else ", DDP" if start.world > 1 else ""
+        threads = torch.get_num_threads()
         console.print(
-            f"{start.world} process(es) on {start.device}, precision {cfg.precision}{layout}; "
-            f"workload {escape(cfg.workload)}"
+            f"{_count(start.world, 'process')} on {start.device}, precision {cfg.precision}{layout}; "
+            f"workload {escape(cfg.workload)}; torch threads per process: {threads}"
+            + (" (--threads)" if self.args.threads is not None else "")
         )
+        peak = "the workload optimizer's own" if cfg.optimizer == "workload" else f"{cfg.lr:g}"
         console.print(
             f"schedule: {sched['kind']}, clock {sched['clock']}, warmup {sched['warmup']:,} and horizon "
-            f"{sched['horizon']:,} {sched['clock']}; peak lr {cfg.lr:g}; ~{start.tokens_per_step:,} valid "
-            f"tokens per step; skipped updates: {sched['skipped_updates']}"
+            f"{_count(sched['horizon'], sched['clock'][:-1])}; peak lr {peak}; "
+            f"~{start.tokens_per_step:,} valid tokens per step; skipped updates: {sched['skipped_updates']}"
         )
         if sched["clock"] == "steps":
-            keeps = f"{warmup_steps:,.0f} steps (~{warmup_tokens:,.0f} valid tokens at this global batch)"
+            steps = _count(round(warmup_steps), "step")
+            keeps = f"{steps} (~{warmup_tokens:,.0f} valid tokens at this global batch)"
             moves = "a larger global batch keeps the steps and adds tokens"
         else:
             keeps = f"{warmup_tokens:,} valid tokens (~{warmup_steps:,.1f} steps at this global batch)"
             moves = "a larger global batch keeps the tokens and takes fewer steps"
         console.print(f"warmup: {keeps}; {moves}")
+        console.print(escape(_checkpoint_policy(cfg)))
+        for skipped in start.skipped_checkpoints:
+            console.print(
+                f"[yellow]note:[/yellow] passed over a checkpoint that is not intact: {escape(skipped)}"
+            )
         if start.resumed_from:
             console.print(f"resumed from {escape(start.resumed_from)} at boundary {start.start_window}")
         if start.checkpoint_schedule is not None:
@@ -360,9 +858,8 @@ class _Renderer:
                 TimeElapsedColumn(),
                 console=console,
             )
-            total = start.total_windows if start.total_windows is not None else None
             self.task = self.progress.add_task(
-                "train", total=total, completed=start.start_window, loss="-", tps="-", skipped=0
+                "train", total=start.total_windows, completed=start.start_window, loss="-", tps="-", skipped=0
             )
             self.progress.start()
 
@@ -391,7 +888,7 @@ class _Renderer:
             self.progress.stop()
             self.progress = None
 
-    def summary(self, result: TrainResult) -> None:
+    def summary(self, result: TrainResult, resume: str) -> None:
         from gradaccum.train.loop import RUNCARD_FILE
         from gradaccum.train.records import LOSS_PNG, METRICS_FILE
 
@@ -401,14 +898,19 @@ class _Renderer:
             head, tail = losses[: min(5, len(losses))], losses[-min(5, len(losses)) :]
             console.print(
                 f"start loss {statistics.fmean(head):.4f} -> end loss {statistics.fmean(tail):.4f} "
-                f"(means of the first and last {len(tail)} updates; "
+                f"(means of the first and last {_count(len(tail), 'update')}; "
                 f"first {losses[0]:.4f}, last {losses[-1]:.4f})"
             )
         if result.eval_loss is not None:
             console.print(f"eval loss {result.eval_loss:.4f}")
+        # the same clock as the progress lines (time inside windows), then the whole wall time
+        in_windows = self.tokens / self.seconds if self.seconds else 0.0
         console.print(
-            f"{result.stopped}: {p.windows} boundaries, {p.steps_applied} updates applied, {p.steps_skipped} "
-            f"skipped; {p.tokens_consumed:,} tokens consumed; {result.tokens_per_s:,.0f} tok/s"
+            f"{result.stopped}: {_count(p.windows, 'boundary')}, "
+            f"{_count(p.steps_applied, 'update')} applied, "
+            f"{p.steps_skipped} skipped; {p.tokens_consumed:,} tokens consumed; {in_windows:,.0f} tok/s in "
+            f"training windows, {result.tokens_per_s:,.0f} tok/s over the {result.wall_s:,.1f} s wall time "
+            "(with checkpoints, evaluation and records)"
             + (f"; loss scale {result.loss_scale:g}" if result.loss_scale is not None else "")
         )
         run_dir = result.run_dir
@@ -418,41 +920,106 @@ class _Renderer:
                 + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else "")
             )
         )
-        if result.stopped != "completed" and result.checkpoints:
-            console.print(
-                escape(f"resume with: gradaccum train --resume {result.checkpoints[-1]} (same flags)")
-            )
+        if result.stopped != "completed":
+            console.print(escape(f"resume with: {resume}"))
+
+
+def _checkpoint_policy(cfg: TrainConfig) -> str:
+    when = []
+    if cfg.checkpoint_every is not None:
+        when.append(f"every {_count(cfg.checkpoint_every, 'applied update')}")
+    if cfg.checkpoint_minutes is not None:
+        when.append(f"every {cfg.checkpoint_minutes:g} minutes")
+    cadence = " or ".join(when) + (", whichever comes first," if len(when) == 2 else "")
+    cadence = f"{cadence} and at the end" if when else "at the end only"
+    return (
+        f"checkpoints: {cadence} (and on SIGUSR1, SIGINT or SIGTERM); the newest "
+        f"{cfg.keep_checkpoints} kept in {cfg.run_dir / 'checkpoints'}"
+    )
 
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def run(args: argparse.Namespace) -> int:
-    from gradaccum.train.loop import TrainControl, train
+# -- the command ----------------------------------------------------------------------------------
 
-    workload_spec(args)  # --workload hf:MODEL_DIR --data FILE ... as one spec, in args.workload
-    device = _device(args.device)
-    created = _init_distributed(device)
-    try:
-        world, rank = dist.world_size(), dist.rank()
-        config = _build_config(args, world, device, _run_dir(args))
-        control = TrainControl()
-        renderer = _Renderer(config, args) if rank == 0 else None
+
+def _err(text: str) -> None:
+    print(f"gradaccum train: {text}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    leader = int(os.environ.get("RANK", "0")) == 0
+    threads_before = torch.get_num_threads()
+    # installed before the training code imports: a signal then exits at once (nothing written yet)
+    with _Signals(leader=leader) as signals:
+        from gradaccum.train.loop import TrainControl, train
+
+        workload_spec(args)  # --workload hf:MODEL_DIR --data FILE ... as one spec, in args.workload
+        control = signals.control = TrainControl()
+        device = _device(args.device)
+        threads = default_threads(args.threads, device.type)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        created = _init_distributed(device)
         try:
-            with _signals(control):
-                result = train(config, control=control, on_event=renderer)
-        except TooManySkipsError as exc:
+            world, rank = dist.world_size(), dist.rank()
+            where: Any = None
+            error: str | None = None
+            if rank == 0:
+                try:
+                    where = _where(args)
+                except GradAccumError as exc:
+                    error = str(exc)
+            where, error = _shared((where, error))
+            if error is not None:
+                raise TrainError(error)
+            run_dir, resume, note = where
+            config, lines = _build_config(args, world, device, run_dir, resume)
+            args.configuration = f"{config.plan.equation()}, precision {config.precision}"
+            resume_command = _resume_command(args, run_dir, world)
+            signals.run_dir, signals.resume_command = run_dir, resume_command
+            renderer = _Renderer(config, args, [*lines, *([note] if note else [])]) if rank == 0 else None
+
+            def on_event(event: TrainEvent) -> None:
+                signals.training = True  # from the start record on, a signal stops at a boundary
+                if renderer is not None:
+                    renderer(event)
+
+            try:
+                result = train(config, control=control, on_event=on_event)
+            except TooManySkipsError as exc:
+                if renderer is not None:
+                    renderer.close()
+                    _err(f"training stopped: {exc}")
+                return EXIT_FAILED
+            except CheckpointWriteError as exc:
+                if renderer is not None:
+                    renderer.close()
+                    _err(
+                        f"failed: {exc}\n  free space (or lift the limit), then resume with: {resume_command}"
+                    )
+                return EXIT_FAILED
+            except (CollectiveError, RuntimeError) as exc:
+                if not (world > 1 and dist.looks_like_comm_failure(exc)):
+                    raise
+                if renderer is not None:
+                    renderer.close()
+                _err(f"failed: {_lost_rank_message(exc, world, rank, resume_command, run_dir)}")
+                return EXIT_FAILED
+            finally:
+                if renderer is not None:
+                    renderer.close()
+            signals.training = False
+            if result.stopped == "interrupted before the first window":
+                if renderer is not None:
+                    _err("interrupted before the first window; nothing was trained or written")
+                return signals.exit_code
             if renderer is not None:
-                renderer.close()
-                print(f"gradaccum train: training stopped: {exc}", file=sys.stderr)
-            return EXIT_FAILED
+                renderer.summary(result, resume_command)
+            return EXIT_OK if result.stopped == "completed" else signals.exit_code
         finally:
-            if renderer is not None:
-                renderer.close()
-        if renderer is not None:
-            renderer.summary(result)
-        return EXIT_OK
-    finally:
-        if created and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+            if created and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            torch.set_num_threads(threads_before)

@@ -20,7 +20,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from gradaccum.check.workload import DEFAULT_WORKLOAD, HF_PREFIX
-from gradaccum.errors import BenchError, PlanError, WorkloadError
+from gradaccum.cli.exitcodes import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INCONCLUSIVE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+)
+from gradaccum.errors import BenchError, ConfigError, PlanError, WorkloadError
 from gradaccum.loss import NORMALIZATIONS
 from gradaccum.plan import BatchPlan
 from gradaccum.precision import PRECISIONS
@@ -39,11 +47,14 @@ __all__ = [
     "EXIT_INCONCLUSIVE",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_TERMINATED",
     "Launching",
     "add_data_options",
     "add_measure_options",
+    "add_threads_option",
     "add_workload_option",
     "available_memory_bytes",
+    "check_output_folder",
     "console",
     "default_threads",
     "escape",
@@ -52,6 +63,8 @@ __all__ = [
     "make_launching",
     "mark",
     "measure_settings",
+    "number_above",
+    "output_folder",
     "parse_plan",
     "parse_size",
     "progress_bar",
@@ -66,10 +79,6 @@ __all__ = [
     "yes_no",
 ]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-"""0 success; 1 a check that ran and failed, or a run that failed on its own; 2 bad input;
-3 a measurement that could not decide (accept's INCONCLUSIVE); 130 interrupted (128 + SIGINT),
-as shells and schedulers expect."""
 
 # -- the console ---------------------------------------------------------------------------------
 
@@ -133,6 +142,44 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def number_above(low: float, *, inclusive: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for finite numbers ``> low`` (``>= low`` with ``inclusive``): refused at
+    parse time, naming the value."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        above = value >= low if inclusive else value > low
+        if not (above and value < float("inf")):
+            sign = ">=" if inclusive else ">"
+            raise argparse.ArgumentTypeError(f"expected a finite number {sign} {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def output_folder(text: str) -> Path:
+    """An argparse ``type`` for a folder to write into: refused at parse time when it is a file."""
+    path = Path(text)
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{folder} is a file, not a folder; give a folder path")
+        if folder.exists():
+            break
+    return path
+
+
+def check_output_folder(path: Path, flag: str) -> None:
+    """Refuse an output location that is a file (or under one) before any work starts."""
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{flag} {path}: {folder} is a file, not a folder; give a folder path")
+        if folder.exists():
+            return
+
+
 def parse_plan(text: str, dp: int | None = None) -> BatchPlan:
     """``MICROxACCUM`` or ``MICROxDPxACCUM`` into a plan.
 
@@ -145,6 +192,10 @@ def parse_plan(text: str, dp: int | None = None) -> BatchPlan:
             f"a plan is written MICROxACCUM (e.g. 4x8) or MICROxDPxACCUM (e.g. 4x8x8), got {text!r}"
         )
     a, b, c = match.groups()
+    names = ("MICRO", "ACCUM") if c is None else ("MICRO", "DP", "ACCUM")
+    for name, value in zip(names, (a, b) if c is None else (a, b, c), strict=True):
+        if int(value) < 1:
+            raise PlanError(f"plan {text}: {name} must be at least 1, got {int(value)}")
     if c is None:
         return BatchPlan(micro_batch=int(a), accum_steps=int(b), dp=1 if dp is None else dp)
     if dp is not None and int(b) != dp:
@@ -170,10 +221,22 @@ def add_workload_option(p: argparse.ArgumentParser) -> None:
         "--workload",
         default=DEFAULT_WORKLOAD,
         metavar="MODULE:FUNCTION",
-        help=f"function returning a gradaccum.Workload, or hf:MODEL_DIR, a local transformers model "
-        f"folder, with --data FILE (default {DEFAULT_WORKLOAD})",
+        help=f"the function that returns a gradaccum.Workload (MODULE is imported from the current "
+        f"directory or the import path), or hf:MODEL_DIR, a local transformers model folder, with "
+        f"--data FILE (default {DEFAULT_WORKLOAD})",
     )
     add_data_options(p)
+
+
+def add_threads_option(p: argparse.ArgumentParser, *, per: str) -> None:
+    """``--threads N``: torch threads per ``per`` (worker, process); the same default everywhere."""
+    p.add_argument(
+        "--threads",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help=f"torch intra-op threads per {per} (default 1 on CPU, torch's own on CUDA)",
+    )
 
 
 def add_data_options(p: argparse.ArgumentParser) -> None:
@@ -271,25 +334,45 @@ def add_measure_options(p: argparse.ArgumentParser, *, steps: int) -> None:
     """The options of ``bench`` and ``accept``: the workload, dp, how to measure, where to write."""
     add_workload_option(p)
     p.add_argument(
-        "--dp", type=int, default=None, help="data-parallel replicas (default: torchrun's world, else 1)"
-    )
-    p.add_argument("--runs", type=int, default=3, help="runs per configuration, interleaved (default 3)")
-    p.add_argument("--steps", type=int, default=steps, help=f"measured updates per run (default {steps})")
-    p.add_argument("--warmup", type=int, default=3, help="unmeasured updates per run (default 3)")
-    p.add_argument("--precision", choices=PRECISIONS, default="float32", help="production precision")
-    p.add_argument("--no-defer-sync", dest="defer_sync", action="store_false", help="sync every micro-batch")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda (default auto)")
-    p.add_argument(
-        "--threads",
-        type=int,
+        "--dp",
+        type=int_at_least(1),
         default=None,
-        help="torch threads per worker (default 1 on CPU, torch's on CUDA)",
+        metavar="N",
+        help="data-parallel replicas (default: torchrun's world size, else 1)",
     )
-    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size in MiB (default DDP's)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (default 600)")
-    p.add_argument("--out-dir", type=Path, default=Path("runs"), help="where run folders go (default runs/)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--runs", type=int_at_least(1), default=3, metavar="R", help="runs per configuration, interleaved"
+    )
+    p.add_argument(
+        "--steps", type=int_at_least(1), default=steps, metavar="N", help="measured updates per run"
+    )
+    p.add_argument(
+        "--warmup", type=int_at_least(0), default=3, metavar="N", help="unmeasured updates per run"
+    )
+    p.add_argument("--precision", choices=PRECISIONS, default="float32", help="production precision")
+    p.add_argument(
+        "--no-defer-sync",
+        dest="defer_sync",
+        action="store_false",
+        help="all-reduce gradients at every micro-batch instead of once per window (default: defer)",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N; auto is cuda when present")
+    add_threads_option(p, per="worker process")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="model and data seed")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=number_above(0.0),
+        default=None,
+        metavar="MIB",
+        help="DDP bucket size in MiB (default DDP's, 25)",
+    )
+    p.add_argument(
+        "--timeout", type=number_above(0.0), default=600.0, metavar="S", help="seconds one run may take"
+    )
+    p.add_argument("--out-dir", type=output_folder, default=Path("runs"), help="where run folders go")
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar (default: shown)"
+    )
 
 
 def default_threads(requested: int | None, device: str) -> int | None:

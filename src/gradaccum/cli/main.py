@@ -1,28 +1,68 @@
 """Entry point: parse arguments, dispatch to a subcommand, map errors to exit codes.
 
-Exit codes: 0 success, 1 a check that ran and failed (e.g. verify found a mismatch) or a run that
-failed on its own (another rank failed, a collective timed out, too many skipped updates), 2 bad input
-(unknown workload, impossible plan, malformed run card). Each ``cmd_*.py`` module in this package
-defines ``register(subparsers)``, which adds its parser and sets ``run(args) -> int`` as the default
-``func``; new subcommands need no change here.
+Exit codes (:mod:`gradaccum.cli.exitcodes`): 0 success, 1 a check that ran and failed (e.g. verify
+found a mismatch) or a run that failed on its own (another rank failed, a collective timed out, too
+many skipped updates, out of memory, a full disk), 2 bad input (unknown workload, impossible plan,
+malformed run card), 130 interrupted (SIGINT), 143 stopped by SIGTERM. Each ``cmd_*.py`` module in
+this package defines ``register(subparsers)``, which adds its parser and sets ``run(args) -> int``
+as the default ``func``; new subcommands need no change here.
+
+This module imports only the standard library at import time: an interrupt while torch and the
+commands load (the first seconds of every command) ends in one line and exit 130, not a traceback.
+Every option's help shows its default; a help text that does not say it gets ``(default X)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import pkgutil
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from types import FrameType
+from typing import Any
 
 from gradaccum import __version__
-from gradaccum.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
-from gradaccum.errors import CollectiveError, GradAccumError, RankFailedError, TooManySkipsError
+from gradaccum.cli.exitcodes import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+)
 
-__all__ = ["build_parser", "main"]
+__all__ = ["Terminated", "build_parser", "main"]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that the same clean-up runs; the command exits 143."""
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default X)`` to an option's help unless the help already names its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.nargs == 0
+            or default is None
+            or default is argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default {str(default).replace('%', '%%')})"
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -41,21 +81,163 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(argv: Sequence[str]) -> str:
+    """The subcommand's name, for messages printed before (or without) parsing."""
+    return next((a for a in argv if not a.startswith("-")), "")
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Terminated()
+
+
+def _exit_while_loading(argv: Sequence[str]) -> Any:
+    """A handler for the first seconds, while torch and the commands import: print one line and
+    exit at once. Nothing has been written yet, and raising instead would be unsafe here: a
+    ``KeyboardInterrupt`` inside an import that a library guards with a broad ``except`` (torch
+    importing numpy does) is swallowed, and the command would go on with a half-imported library."""
+    prog = " ".join(p for p in ("gradaccum", _command(argv)) if p)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+        with contextlib.suppress(OSError):
+            os.write(2, f"{prog}: interrupted ({name}) while starting; nothing was done\n".encode())
+        os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+
+    return handler
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # while the commands load, a signal exits at once (see _exit_while_loading); then SIGINT raises
+    # KeyboardInterrupt and SIGTERM Terminated, for every command (train installs its own handlers)
+    previous: dict[int, Any] = {}
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        loading = _exit_while_loading(argv)
+        previous = {sig: signal.signal(sig, loading) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if main_thread:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        return _main(parser, args, argv)
+    except KeyboardInterrupt as exc:
+        name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+        prog = " ".join(p for p in ("gradaccum", _command(argv)) if p)
+        print(f"{prog}: interrupted ({name}); stopped", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return EXIT_BAD_INPUT
+    args.argv = argv  # the command line as typed, for the resume command a stopped run prints
     try:
         return int(args.func(args))
-    except (RankFailedError, CollectiveError, TooManySkipsError) as exc:
-        # the input was fine; the run itself failed (another rank, the network, the loss diverged)
-        print(f"gradaccum {args.command}: failed: {exc}", file=sys.stderr)
+    except Exception as exc:
+        return _report(args, exc)
+
+
+def _report(args: argparse.Namespace, exc: Exception) -> int:
+    """Print one message for a command that raised, and choose its exit code (or re-raise a bug)."""
+    from gradaccum.errors import (
+        CheckpointWriteError,
+        CollectiveError,
+        GradAccumError,
+        RankFailedError,
+        TooManySkipsError,
+    )
+
+    prog = f"gradaccum {args.command}"
+    oom = _out_of_memory(exc)
+    if oom is not None:
+        print(f"{prog}: failed: {_oom_message(args, oom)}", file=sys.stderr)
         return EXIT_FAILED
-    except GradAccumError as exc:
-        print(f"gradaccum {args.command}: error: {exc}", file=sys.stderr)
+    if isinstance(exc, (RankFailedError, CollectiveError, TooManySkipsError, CheckpointWriteError)):
+        # the input was fine; the run itself failed (another rank, the network, the loss, the disk)
+        print(f"{prog}: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if isinstance(exc, GradAccumError):
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"gradaccum {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    if isinstance(exc, OSError):  # a disk that filled up, a folder that vanished
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"{prog}: failed: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_FAILED
+    raise exc
+
+
+# -- out of memory -------------------------------------------------------------------------------
+
+_OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+# the flags that set how much each forward holds, per command, and what to change
+_SIZE_FLAGS = {
+    "train": "a smaller --micro-batch (the global batch stays: more accumulation steps)",
+    "verify": "a smaller --micro-batch or --sizes",
+    "accept": "a baseline and candidate with a smaller MICRO (--baseline/--candidate MICROxACCUM)",
+    "bench": "a smaller --global-batch, or --configs with smaller micro-batches",
+    "scan": "a smaller model in the workload",
+}
+_SHOWN = (
+    "workload",
+    "runcard",
+    "baseline",
+    "candidate",
+    "configs",
+    "global_batch",
+    "micro_batch",
+    "sizes",
+    "accum_steps",
+    "precision",
+    "dtype",
+    "device",
+    "fsdp",
+)
+
+
+def _out_of_memory(exc: BaseException) -> BaseException | None:
+    """The out-of-memory error behind ``exc`` (CUDA's, a host allocation, or one a workload error
+    wraps), or None."""
+    torch = sys.modules.get("torch")
+    kinds: tuple[type[BaseException], ...] = (MemoryError,)
+    if torch is not None:
+        kinds += (torch.OutOfMemoryError,)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, kinds):
+            return current
+        if isinstance(current, RuntimeError) and any(t in str(current).lower() for t in _OOM_TEXTS):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _oom_message(args: argparse.Namespace, oom: BaseException) -> str:
+    shown = []
+    for name in _SHOWN:
+        value = getattr(args, name, None)
+        if value is None or value is False:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, list):
+            value = ",".join(map(str, value))
+        shown.append(flag if value is True else f"{flag} {value}")
+    first = (str(oom).strip().splitlines() or [type(oom).__name__])[0]
+    first = first if len(first) <= 300 else first[:297] + "..."
+    config = ", ".join(shown) if shown else "the defaults"
+    resolved = getattr(args, "configuration", None)  # what a command resolved the flags into
+    if resolved:
+        config = f"{config} ({resolved})"
+    return (
+        f"out of memory ({first}) with {config}. Try {_SIZE_FLAGS.get(args.command, 'a smaller batch')}, "
+        "activation checkpointing in the workload's model (torch.utils.checkpoint), or a lower "
+        "precision (bfloat16)."
+    )

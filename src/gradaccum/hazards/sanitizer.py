@@ -186,6 +186,7 @@ class Guard:
         self._stack: contextlib.ExitStack | None = None
         self._findings: list[GuardFinding] = []
         self._pending: list[GuardFinding] = []
+        self._warned: set[tuple[str, str, int, int]] = set()
         self.windows = 0
         """Optimizer steps (windows) completed inside the guard."""
         self._total = self._synced_total = 0
@@ -523,11 +524,21 @@ class Guard:
             self._flush()
 
     def _flush(self) -> None:
-        """Emit what was recorded where raising is unsafe (inside autograd) or premature."""
+        """Emit what was recorded where raising is unsafe (inside autograd) or premature.
+
+        In warn mode one line of the user's loop that repeats a mistake at every micro-batch warns
+        once per window, not once per micro-batch; ``findings`` still records every occurrence.
+        """
         pending, self._pending = self._pending, []
         for finding in pending:
             if self.config.mode == "raise":
                 raise GuardError(finding)
+            key = (finding.code, finding.filename, finding.lineno, finding.window)
+            if key in self._warned:
+                continue
+            if len(self._warned) > 1024:  # a long loop: only this window's keys can match again
+                self._warned = {k for k in self._warned if k[3] == finding.window}
+            self._warned.add(key)
             warnings.warn_explicit(str(finding), GuardWarning, finding.filename, finding.lineno)
 
 

@@ -364,9 +364,11 @@ KNOWN_HAZARDS: dict[str, _Hazard] = {
         "Split into {k} micro-batches, each example meets only the negatives of its own micro-batch "
         "instead of every other example of the step: the objective itself changes, so no loss scaling "
         "repairs it.",
-        "use a gradient cache (Gao et al. 2021): encode the whole window without a graph, compute the "
-        "loss on all representations at once, then backpropagate its gradients with respect to the "
-        "representations micro-batch by micro-batch; or accept fewer negatives as a different objective.",
+        "step with gradaccum.CachedAccumulator(model, optimizer).step(window, encode_fn, loss_fn), which "
+        "makes the loss exact with a gradient cache (Gao et al. 2021: encode the whole window without a "
+        "graph, compute the loss over every representation of the step, then backpropagate its "
+        "gradients micro-batch by micro-batch), and check it with `gradaccum verify --cached` (the "
+        "workload's extras encode_fn and rep_loss_fn); or accept fewer negatives as a different objective.",
     ),
     "batch-statistics": _Hazard(
         "uses statistics over the whole batch (a batch mean, centering or variance term)",

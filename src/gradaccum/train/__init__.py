@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from gradaccum.train.checkpoint import CheckpointError, TrainProgress, latest_checkpoint, resolve_checkpoint
+from gradaccum.train.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    ResumePoint,
+    TrainProgress,
+    checkpoint_problem,
+    find_intact,
+    latest_checkpoint,
+    remove_partial_checkpoints,
+    resolve_checkpoint,
+)
 from gradaccum.train.config import DEFAULT_WORKLOAD, TrainConfig, TrainError
 from gradaccum.train.data import DataPosition, ShardedStream, shard_bounds
 from gradaccum.train.evaluate import evaluate
@@ -23,8 +33,10 @@ __all__ = [
     "SKIPPED_POLICY",
     "CheckpointError",
     "CheckpointRecord",
+    "CheckpointWriteError",
     "DataPosition",
     "EvalRecord",
+    "ResumePoint",
     "Schedule",
     "ScheduleConfig",
     "ShardedStream",
@@ -36,10 +48,13 @@ __all__ = [
     "TrainProgress",
     "TrainResult",
     "TrainStart",
+    "checkpoint_problem",
     "evaluate",
+    "find_intact",
     "latest_checkpoint",
     "plot_loss",
     "read_metrics",
+    "remove_partial_checkpoints",
     "resolve_checkpoint",
     "resolve_schedule",
     "shard_bounds",

@@ -15,6 +15,9 @@ from gradaccum.train.schedule import ScheduleConfig
 from gradaccum.values import require_int
 
 __all__ = [
+    "DEFAULT_CHECKPOINT_EVERY",
+    "DEFAULT_CHECKPOINT_MINUTES",
+    "DEFAULT_KEEP_CHECKPOINTS",
     "DEFAULT_WORKLOAD",
     "OptimizerName",
     "Precision",
@@ -28,6 +31,13 @@ OptimizerName = Literal["adamw", "sgd", "workload"]
 ``optimizer_factory``; its groups' learning rates are the schedule's peak."""
 
 _OPTIMIZERS = ("adamw", "sgd", "workload")
+
+DEFAULT_CHECKPOINT_EVERY = 100
+"""Applied optimizer updates between periodic checkpoints."""
+DEFAULT_CHECKPOINT_MINUTES = 30.0
+"""Minutes between periodic checkpoints."""
+DEFAULT_KEEP_CHECKPOINTS = 3
+"""Intact checkpoints kept: the newest, and earlier ones to fall back on should it be damaged."""
 
 
 def _positive(name: str, value: object, *, allow_none: bool = True) -> None:
@@ -68,10 +78,15 @@ class TrainConfig:
     """``cpu``, ``cuda`` or ``cuda:N``; the CLI picks ``cuda:LOCAL_RANK`` under torchrun."""
     fsdp: bool = False
     """Shard with FSDP2 ``fully_shard`` instead of replicating with DDP (multi-process runs)."""
-    checkpoint_every: int | None = None
-    """Checkpoint every this many windows; ``None``: only at the end and on request."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept on disk; older ones are deleted after a newer one is complete."""
+    checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY
+    """Checkpoint once this many optimizer updates were applied since the last checkpoint; ``None``:
+    not by count. Whichever of this and ``checkpoint_minutes`` comes first triggers; checkpoints are
+    also written at the end of the run and on request."""
+    checkpoint_minutes: float | None = DEFAULT_CHECKPOINT_MINUTES
+    """Checkpoint at the first boundary this many minutes after the last checkpoint (or the start);
+    ``None``: not by time. Every rank's clock is consulted, so all checkpoint at the same boundary."""
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    """Intact checkpoints kept on disk; older ones are deleted once a newer one is complete."""
     eval_every: int | None = None
     """Evaluate (no grad, eval mode) every this many windows; ``None``: never."""
     eval_examples: int = 64
@@ -87,13 +102,18 @@ class TrainConfig:
         if self.steps is None and self.tokens is None:
             raise TrainError("a run needs a length: set steps (windows) or tokens (valid units), or both")
         _positive("checkpoint_every", self.checkpoint_every)
+        minutes = self.checkpoint_minutes
+        if minutes is not None and (
+            isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0
+        ):
+            raise TrainError(f"checkpoint_minutes must be a positive number or None, got {minutes!r}")
         _positive("eval_every", self.eval_every)
         _positive("keep_checkpoints", self.keep_checkpoints, allow_none=False)
         _positive("eval_examples", self.eval_examples, allow_none=False)
         if self.precision not in PRECISIONS:
-            raise TrainError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+            raise TrainError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.optimizer not in _OPTIMIZERS:
-            raise TrainError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
+            raise TrainError(f"optimizer must be one of {', '.join(_OPTIMIZERS)}, got {self.optimizer!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise TrainError(f"lr must be a positive number, got {self.lr!r}")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):

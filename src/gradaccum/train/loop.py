@@ -7,16 +7,20 @@ Per window (one optimizer boundary):
    tokens: consumed + N), recomputed from the counters, never from a scheduler's own count;
 3. ``Accumulator.step``: the exact update (or a skip on every rank, which advances no clock);
 4. update the counters, report, evaluate if due;
-5. agree across ranks on pending checkpoint/stop requests, and checkpoint at this boundary if a
-   request, the periodic cadence or the end of the run calls for it.
+5. agree across ranks on pending checkpoint/stop requests and on whether the checkpoint interval
+   has passed, and checkpoint at this boundary if a request, the periodic cadence (applied updates
+   or minutes since the last checkpoint, whichever comes first) or the end of the run calls for it.
 
 Requests from signal handlers (:class:`TrainControl`) are only read at step 5, so a request that
 arrives mid-window is served at the next boundary; requests are counted, never cleared blindly, so
-none is lost. The loop prints nothing: it hands records to ``on_event``.
+none is lost. A stop requested before the first window (while the model and data are built) ends
+the run before it trains or writes anything. The loop prints nothing: it hands records to
+``on_event``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,11 +36,22 @@ from gradaccum.precision import autocast_loss, make_scaler
 from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
 from gradaccum.train.build import build_model, build_optimizer
-from gradaccum.train.checkpoint import TrainProgress, latest_checkpoint, load_checkpoint, save_checkpoint
+from gradaccum.train.checkpoint import (
+    ResumePoint,
+    TrainProgress,
+    checkpoint_problem,
+    checkpoints_of,
+    load_checkpoint,
+    remove_partial_checkpoints,
+    resolve_checkpoint,
+    run_folder_of,
+    save_checkpoint,
+)
 from gradaccum.train.config import TrainConfig, TrainError
 from gradaccum.train.data import ShardedStream
 from gradaccum.train.evaluate import evaluate
 from gradaccum.train.records import (
+    METRICS_FILE,
     CheckpointRecord,
     EvalRecord,
     Recorder,
@@ -70,6 +85,11 @@ class TrainControl:
         """Checkpoint at the next boundary and end the run there."""
         self.stop_requests += 1
 
+    @property
+    def stop_pending(self) -> bool:
+        """Whether a stop was requested (it stays requested once asked)."""
+        return self.stop_requests > 0
+
     def take(self) -> tuple[bool, bool]:
         """(checkpoint requested since the last take, stop requested); called at boundaries."""
         seen = self.checkpoint_requests
@@ -97,15 +117,24 @@ class TrainResult:
     loss_scale: float | None
     """The GradScaler's final scale (float16 only)."""
     stopped: str
-    """``completed`` (reached steps/tokens) or ``stop requested``."""
+    """``completed`` (reached steps/tokens), ``stop requested`` (checkpointed at a boundary) or
+    ``interrupted before the first window`` (nothing trained, nothing written)."""
     checkpoints: tuple[Path, ...]
     """Checkpoint folders written by this segment, in order."""
     resumed_from: Path | None
     """The checkpoint this segment continued from."""
     wall_s: float
-    """Wall time of this segment's windows."""
+    """Wall time of this segment's loop: windows, evaluations, checkpoints and records."""
     tokens_per_s: float
     """Valid units seen per second of that wall time."""
+    window_s: float = 0.0
+    """Time spent inside windows alone (data, the step; what the progress lines measure)."""
+
+    @property
+    def window_tokens_per_s(self) -> float:
+        """Valid units seen per second spent in windows: the figure the progress lines show."""
+        seen = self.tokens_per_s * self.wall_s
+        return seen / self.window_s if self.window_s > 0 else 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,9 +152,65 @@ class _Session:
     device: torch.device
     progress: TrainProgress
     resumed_from: Path | None
+    skipped_checkpoints: tuple[str, ...]
     checkpoint_schedule: dict[str, Any] | None
     tokens_per_step: int
     eval_batches: list[Any]
+
+
+_RUN_FILES = (RUNCARD_FILE, METRICS_FILE)
+
+
+def _run_files(run_dir: Path) -> list[str]:
+    """What of a run ``run_dir`` already holds (its records, any checkpoint folder)."""
+    found = [name for name in _RUN_FILES if (run_dir / name).exists()]
+    if checkpoints_of(run_dir):
+        found.append("checkpoints/")
+    return found
+
+
+def _check_run_folder(config: TrainConfig) -> ResumePoint | None:
+    """Refuse to write over another run's files; the verified checkpoint to resume from, if any.
+
+    A fresh run needs a folder without records or checkpoints. A resumed run continues its own
+    folder, from its newest intact checkpoint (resuming an older one while a newer intact one
+    exists would fork the run and leave two histories in one folder), or starts a new folder.
+    """
+    run_dir = Path(config.run_dir)
+    if config.resume is None:
+        found = _run_files(run_dir)
+        if found:
+            raise TrainError(
+                f"run folder {run_dir} already holds another run ({', '.join(found)}); continue it with "
+                f"--resume auto --run-dir {run_dir}, or train into a new folder (another --run-dir)"
+            )
+        return None
+    point = resolve_checkpoint(config.resume)
+    source = run_folder_of(point.path)
+    if _same_path(source, run_dir):
+        passed_over = {folder for folder, _ in point.skipped}
+        folders = checkpoints_of(run_dir)
+        newer = folders[: folders.index(point.path)] if point.path in folders else []
+        newest = next((f for f in newer if f not in passed_over and not checkpoint_problem(f)), None)
+        if newest is not None:
+            raise TrainError(
+                f"run folder {run_dir} holds a newer intact checkpoint ({newest.name}) than "
+                f"{point.path.name}: resuming the older one would give the run two histories. Resume "
+                f"{newest} (--resume auto), or resume {point.path.name} into a new folder (another "
+                "--run-dir)"
+            )
+    else:
+        found = _run_files(run_dir)
+        if found:
+            raise TrainError(
+                f"run folder {run_dir} already holds another run ({', '.join(found)}); resume "
+                f"{point.path} into its own run folder {source} or into a new one (another --run-dir)"
+            )
+    return point
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _setup(config: TrainConfig, workload: Workload) -> _Session:
@@ -136,11 +221,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
             f"the plan has dp={config.plan.dp} data-parallel replicas but {world} process(es) are "
             f"running; launch {config.plan.dp} processes or solve the plan for dp={world}"
         )
-    if config.resume is None and latest_checkpoint(config.run_dir) is not None:
-        raise TrainError(
-            f"run folder {config.run_dir} already holds checkpoints of an earlier run; continue it with "
-            "resume (--resume), or train into a new folder (--run-dir)"
-        )
+    point = _check_run_folder(config)
     device = torch.device(config.device)
     torch.manual_seed(config.seed)  # dropout and other model randomness; the data has its own seeds
     model = build_model(workload, config, device)
@@ -157,10 +238,10 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         float_dtype=torch.float64 if config.precision == "float64" else None,
     )
     acc = Accumulator.from_config(model, optimizer, config.accum, scaler=scaler)
-    progress, resumed_from, checkpoint_schedule = TrainProgress(), None, None
-    if config.resume is not None:
+    progress, resumed_from, checkpoint_schedule, skipped = TrainProgress(), None, None, ()
+    if point is not None:
         progress, meta = load_checkpoint(
-            config.resume,
+            point,
             model=model,
             optimizer=optimizer,
             scaler=scaler,
@@ -169,6 +250,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
             precision=config.precision,
         )
         resumed_from, checkpoint_schedule = Path(meta["path"]), meta.get("schedule")
+        skipped = tuple(meta["skipped"])
     tokens_per_step = stream.window(0).global_count
     schedule = resolve_schedule(
         config.schedule, steps=config.steps, tokens=config.tokens, tokens_per_step=tokens_per_step
@@ -185,6 +267,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         device=device,
         progress=progress,
         resumed_from=resumed_from,
+        skipped_checkpoints=skipped,
         checkpoint_schedule=checkpoint_schedule if checkpoint_schedule != schedule.to_dict() else None,
         tokens_per_step=tokens_per_step,
         eval_batches=stream.eval_batches(config.eval_examples) if config.eval_every else [],
@@ -241,19 +324,26 @@ def _advance(p: TrainProgress, result: StepResult, acc: Accumulator) -> TrainPro
     )
 
 
-def _agree(flags: tuple[bool, bool], device: torch.device) -> tuple[bool, bool]:
-    """Every rank's requests, OR-ed: all ranks checkpoint and stop at the same boundary."""
+def _agree(flags: tuple[bool, ...], device: torch.device) -> tuple[bool, ...]:
+    """Every rank's flags, OR-ed: all ranks checkpoint and stop at the same boundary."""
     if not dist.is_distributed():
         return flags
-    total = dist.all_reduce_sum_(torch.tensor([float(f) for f in flags], device=device)).tolist()
-    return total[0] > 0, total[1] > 0
+    total = dist.all_reduce_sum_(
+        torch.tensor([float(f) for f in flags], device=device), what="the checkpoint and stop requests"
+    ).tolist()
+    return tuple(t > 0 for t in total)
 
 
 def _checkpoint_reason(
-    config: TrainConfig, windows: int, *, finished: bool, stop: bool, asked: bool
+    *, finished: bool, stop: bool, asked: bool, steps_due: bool, time_due: bool
 ) -> str | None:
-    periodic = config.checkpoint_every is not None and windows % config.checkpoint_every == 0
-    for reason, due in (("final", finished), ("stop", stop), ("requested", asked), ("periodic", periodic)):
+    for reason, due in (
+        ("final", finished),
+        ("stop", stop),
+        ("requested", asked),
+        ("periodic", steps_due),
+        ("timed", time_due),
+    ):
         if due:
             return reason
     return None
@@ -332,6 +422,7 @@ def train(
             start_window=s.progress.windows,
             total_windows=config.steps,
             resumed_from=str(s.resumed_from) if s.resumed_from is not None else None,
+            skipped_checkpoints=s.skipped_checkpoints,
             checkpoint_schedule=s.checkpoint_schedule,
             run_dir=str(config.run_dir),
         )
@@ -350,9 +441,19 @@ def train(
     lr = float(s.optimizer.param_groups[0]["lr"])
     stopped = "completed"
     started, seen_at_start = time.perf_counter(), s.progress.tokens_seen
+    window_s = 0.0
+    # the checkpoint interval counts from the start of this segment (a resumed run's checkpoint)
+    last_steps, last_time = s.progress.steps_applied, time.monotonic()
+    every_s = config.checkpoint_minutes * 60 if config.checkpoint_minutes is not None else None
     try:
-        while not done():
+        if not done() and _agree((control.stop_pending,), s.device)[0]:
+            # asked to stop while the model and data were built: nothing trained, nothing to save
+            stopped = "interrupted before the first window"
+        elif emit.run_dir is not None and s.resumed_from is not None:
+            remove_partial_checkpoints(config.run_dir)  # what an interrupted save may have left
+        while stopped == "completed" and not done():
             record = _train_window(s)
+            window_s += record.step_time_ms / 1e3
             _open_records(config, workload, s, emit)
             lr = record.lr
             if record.applied and record.loss is not None:
@@ -364,8 +465,14 @@ def train(
                 emit(
                     EvalRecord(window=p.windows, step=p.steps_applied, eval_loss=eval_loss, eval_tokens=count)
                 )
-            asked, stop = _agree(control.take(), s.device)
-            reason = _checkpoint_reason(config, p.windows, finished=finished, stop=stop, asked=asked)
+            wants_checkpoint, wants_stop = control.take()
+            late = every_s is not None and time.monotonic() - last_time >= every_s
+            asked, stop, time_due = _agree((wants_checkpoint, wants_stop, late), s.device)
+            every = config.checkpoint_every
+            steps_due = every is not None and p.steps_applied - last_steps >= every
+            reason = _checkpoint_reason(
+                finished=finished, stop=stop, asked=asked, steps_due=steps_due, time_due=time_due
+            )
             if reason is not None:
                 path = save_checkpoint(
                     config.run_dir,
@@ -379,12 +486,14 @@ def train(
                     keep=config.keep_checkpoints,
                     device=s.device,
                 )
+                last_steps, last_time = p.steps_applied, time.monotonic()
                 checkpoints.append(path)
                 emit(CheckpointRecord(window=p.windows, step=p.steps_applied, path=str(path), reason=reason))
             if stop and not finished:
                 stopped = "stop requested"
                 break
-        _open_records(config, workload, s, emit)  # a resumed run that had nothing left still records
+        if stopped != "interrupted before the first window":
+            _open_records(config, workload, s, emit)  # a resumed run that had nothing left still records
     finally:
         emit.close()  # on every exit: the records and the curve show what stopped a run too
     wall_s = time.perf_counter() - started
@@ -401,4 +510,5 @@ def train(
         resumed_from=s.resumed_from,
         wall_s=wall_s,
         tokens_per_s=(s.progress.tokens_seen - seen_at_start) / wall_s if wall_s > 0 else 0.0,
+        window_s=window_s,
     )

@@ -57,10 +57,12 @@ class TrainStart:
     """Windows the run will train in all, when its length is given in steps."""
     resumed_from: str | None
     """The checkpoint folder the run continued from."""
-    checkpoint_schedule: dict[str, Any] | None
+    skipped_checkpoints: tuple[str, ...] = ()
+    """Checkpoints newer than the resumed one that were passed over, each with why (not intact)."""
+    checkpoint_schedule: dict[str, Any] | None = None
     """The resumed checkpoint's schedule when it differs from this run's (e.g. a longer run moves
     a derived horizon); the learning rate follows this run's schedule from the resumed boundary."""
-    run_dir: str
+    run_dir: str = ""
     """The run folder."""
 
 
@@ -123,7 +125,7 @@ class CheckpointRecord:
     path: str
     """The checkpoint folder."""
     reason: str
-    """``periodic``, ``requested``, ``stop`` or ``final``."""
+    """``periodic`` (applied updates), ``timed`` (minutes), ``requested``, ``stop`` or ``final``."""
     kind: str = "checkpoint"
 
 
