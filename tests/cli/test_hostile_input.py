@@ -331,30 +331,12 @@ HOSTILE: list[tuple[list[str], str]] = [
     (["accept", "--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
     (["accept", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
     (["accept", "--out-dir", FILE], f"argument --out-dir: {FILE} is a file, not a folder"),
+    (["accept", "--runs", "2"], "argument --runs: expected an integer >= 3, got 2"),
+    (["accept", "--margin", "-1"], "argument --margin: expected a finite number >= 0, got -1"),
+    (["accept", "--trace-steps", "0"], "argument --trace-steps: expected an integer >= 1, got 0"),
     # plan (sizes are in PLAN_INPUT above)
     (["plan", "--final-window", "sometimes"], "argument --final-window: invalid choice: 'sometimes'"),
 ]
-
-# Refused with exit 2, but the message names a field of the library instead of the flag, or the
-# refusal comes only after the work: accept's own options (cmd_accept/bench, owned by issue 11).
-NOT_YET = [
-    pytest.param(
-        ["accept", "--runs", "2"],
-        "argument --runs: ",
-        marks=pytest.mark.xfail(strict=True, reason="accept says 'runs must be an integer >= 3', not --runs"),
-    ),
-    pytest.param(
-        ["accept", "--margin", "-1"],
-        "--margin",
-        marks=pytest.mark.xfail(strict=True, reason="accept says 'margin must be a non-negative fraction'"),
-    ),
-    pytest.param(
-        ["accept", "--trace-steps", "0"],
-        "--trace-steps",
-        marks=pytest.mark.xfail(strict=True, reason="accept says 'trace_steps must be a positive integer'"),
-    ),
-]
-
 
 def _quick(argv: list[str]) -> list[str]:
     """The quick settings of ``argv``'s command, less the flags ``argv`` sets itself."""
@@ -371,7 +353,7 @@ def _hostile_id(value: object) -> str | None:
     return " ".join(value) if isinstance(value, list) else "-"
 
 
-@pytest.mark.parametrize(("argv", "says"), [*HOSTILE, *NOT_YET], ids=_hostile_id)
+@pytest.mark.parametrize(("argv", "says"), HOSTILE, ids=_hostile_id)
 def test_every_command_refuses_bad_input_with_exit_2_a_message_and_nothing_left_behind(
     argv: list[str],
     says: str,

@@ -38,9 +38,6 @@ def test_every_command_is_checked() -> None:
     assert set(COMMANDS) == {"accept", "bench", "plan", "scan", "train", "verify"}
 
 
-# verify's own flags (cmd_verify, owned by issue 11): they refuse and work, but their help omits the default
-VERIFY_WITHOUT_DEFAULT = {"--sizes"}
-
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_option_has_help_and_shows_its_default(command: str) -> None:
@@ -49,16 +46,12 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
         name = action.option_strings[-1] if action.option_strings else action.dest
         if not text.strip():
             missing_help.append(name)
-        elif action.nargs != 0 and "default" not in text and name not in VERIFY_WITHOUT_DEFAULT:
+        elif action.nargs != 0 and "default" not in text:
             missing_default.append(name)
     assert not missing_help, f"{command}: no help for {missing_help}"
     assert not missing_default, f"{command}: the help does not show the default of {missing_default}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify --sizes (cmd_verify, issue 11) says nothing of its default (the workload micro-batch)",
-)
 def test_verify_shows_every_default() -> None:
     for action, text in _options("verify"):
         if action.option_strings and action.nargs != 0:
@@ -99,10 +92,6 @@ def test_scan_points_in_batch_negatives_at_the_gradient_cache(capsys: pytest.Cap
     assert "1 finding breaks equivalence" in text and "finding(s)" not in text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify --cached prints PASS beside '[error] declared-hazard' (check/, cmd_verify: issue 11)",
-)
 def test_verify_cached_does_not_call_the_hazard_it_handles_an_error(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

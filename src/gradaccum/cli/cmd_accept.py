@@ -28,6 +28,7 @@ from gradaccum.cli.common import (
     make_launching,
     mark,
     measure_settings,
+    number_above,
     parse_plan,
     parse_size,
     progress_bar,
@@ -76,7 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same as --baseline checks the noise",
     )
     p.add_argument(
-        "--margin", type=float, default=0.03, help="required median throughput gain (default 0.03 = 3%%)"
+        "--margin",
+        type=number_above(0.0, inclusive=True),
+        default=0.03,
+        help="required median throughput gain (default 0.03 = 3%%)",
     )
     p.add_argument(
         "--trace-steps",
@@ -108,7 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="e.g. 2GiB: name the largest micro-batch that fits, or why none can (default: none)",
     )
     p.add_argument("--require-adopt", action="store_true", help="exit 1 unless the verdict is ADOPT")
-    add_measure_options(p, steps=50)
+    add_measure_options(p, steps=50, min_runs=3)
     p.set_defaults(func=run)
 
 

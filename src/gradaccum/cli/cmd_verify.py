@@ -71,7 +71,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="examples per micro-batch; must divide the batch (default: the workload's)",
     )
-    cut.add_argument("--sizes", type=_sizes, metavar="A,B,...", help="an explicit partition, e.g. 1,3,4")
+    cut.add_argument(
+        "--sizes",
+        type=_sizes,
+        metavar="A,B,...",
+        help="an explicit partition, e.g. 1,3,4 (default: none, equal micro-batches of --micro-batch)",
+    )
     p.add_argument(
         "--dtype",
         choices=[dtype_name(d) for d in GRAD_TOLERANCES],

@@ -249,7 +249,8 @@ def add_data_options(p: argparse.ArgumentParser) -> None:
         "--data",
         type=Path,
         metavar="FILE",
-        help=".txt (one document per line) or .jsonl (one JSON object per line) to read documents from",
+        help=".txt (one document per line) or .jsonl (one JSON object per line) to read documents "
+        "from (default: none; an hf: workload needs it)",
     )
     g.add_argument(
         "--text-field",
@@ -330,8 +331,9 @@ def workload_spec(args: argparse.Namespace) -> str:
     return str(args.workload)
 
 
-def add_measure_options(p: argparse.ArgumentParser, *, steps: int) -> None:
-    """The options of ``bench`` and ``accept``: the workload, dp, how to measure, where to write."""
+def add_measure_options(p: argparse.ArgumentParser, *, steps: int, min_runs: int = 1) -> None:
+    """The options of ``bench`` and ``accept``: the workload, dp, how to measure, where to write.
+    ``min_runs``: the fewest runs the command can summarize (accept's interval needs 3)."""
     add_workload_option(p)
     p.add_argument(
         "--dp",
@@ -341,7 +343,11 @@ def add_measure_options(p: argparse.ArgumentParser, *, steps: int) -> None:
         help="data-parallel replicas (default: torchrun's world size, else 1)",
     )
     p.add_argument(
-        "--runs", type=int_at_least(1), default=3, metavar="R", help="runs per configuration, interleaved"
+        "--runs",
+        type=int_at_least(min_runs),
+        default=max(3, min_runs),
+        metavar="R",
+        help="runs per configuration, interleaved",
     )
     p.add_argument(
         "--steps", type=int_at_least(1), default=steps, metavar="N", help="measured updates per run"
