@@ -338,6 +338,7 @@ HOSTILE: list[tuple[list[str], str]] = [
     (["plan", "--final-window", "sometimes"], "argument --final-window: invalid choice: 'sometimes'"),
 ]
 
+
 def _quick(argv: list[str]) -> list[str]:
     """The quick settings of ``argv``'s command, less the flags ``argv`` sets itself."""
     pairs = QUICK[argv[0]]

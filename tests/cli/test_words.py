@@ -38,7 +38,6 @@ def test_every_command_is_checked() -> None:
     assert set(COMMANDS) == {"accept", "bench", "plan", "scan", "train", "verify"}
 
 
-
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_option_has_help_and_shows_its_default(command: str) -> None:
     missing_help, missing_default = [], []
