@@ -91,7 +91,7 @@ def test_the_measure_options_build_the_settings_one_thread_per_cpu_worker() -> N
         (["scan", "--accum-steps", "0"], "expected an integer >= 1, got 0"),
         (["verify", "--seed", "-1"], "expected an integer >= 0, got -1"),
         (["bench", "--steps", "0", "--device", "cpu"], "argument --steps: expected an integer >= 1, got 0"),
-        (["accept", "--runs", "2", "--device", "cpu"], "runs must be an integer >= 3"),
+        (["accept", "--runs", "2", "--device", "cpu"], "argument --runs: expected an integer >= 3, got 2"),
         (["plan", "4x2x"], "MICROxDPxACCUM"),
     ],
 )
