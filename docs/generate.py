@@ -11,7 +11,6 @@ bundled defaults, in a scratch folder.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -169,26 +168,6 @@ def quickstart(accept_page: str) -> str:
     )
 
 
-def _field_table(obj: object) -> list[str]:
-    """A dataclass whose fields carry their documentation in ``metadata["doc"]`` (``Workload``, for
-    ``help()``): the table of its fields, which the docstrings read from the source do not hold."""
-    fields = [f for f in getattr(obj, "__dataclass_fields__", {}).values() if "doc" in f.metadata]
-    if not fields:
-        return []
-    rows = ["| field | type | default | what it is |", "|---|---|---|---|"]
-    for f in fields:
-        if f.default is not dataclasses.MISSING:
-            default = f"`{f.default.__name__ if callable(f.default) else repr(f.default)}`"
-        elif f.default_factory is not dataclasses.MISSING:
-            default = "empty"
-        else:
-            default = "required"
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        doc = f.metadata["doc"].replace("|", "\\|")
-        rows.append(f"| `{f.name}` | `{kind}` | {default} | {doc} |")
-    return [f"Fields of `{obj.__name__}`:", "", *rows, ""]  # type: ignore[attr-defined]
-
-
 def reference() -> str:
     sys.path.insert(0, str(DOCS.parent / "src"))
     import gradaccum
@@ -208,7 +187,6 @@ def reference() -> str:
         lines += [f"## {group}", ""]
         for name in names:
             lines += [f"::: {exports[name]}.{name}", ""]
-            lines += _field_table(getattr(gradaccum, name))
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from gradaccum.batch import batch_size
 from gradaccum.errors import ConfigError, CountError, CountTypeError, LossError
+from gradaccum.fielddocs import document_fields
 from gradaccum.packing import block_causal_mask, document_segments
 
 __all__ = [
@@ -120,6 +121,7 @@ class _Targets(NamedTuple):
     """Each input position's document within its row (None without position_ids/document_ids)."""
 
 
+@document_fields
 @dataclass(frozen=True, slots=True)
 class CausalLMLoss:
     """Next-token cross-entropy summed over counted units, for ``Accumulator.step`` and ``verify``.

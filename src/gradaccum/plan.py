@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from gradaccum.errors import PlanError
+from gradaccum.fielddocs import document_fields
 from gradaccum.values import require_int
 
 __all__ = [
@@ -36,6 +37,7 @@ def _positive_int(name: str, value: object) -> int:
     return require_int(name, value, error=PlanError)
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BatchPlan:
     """One data-parallel accumulation plan."""

@@ -13,6 +13,7 @@ import pytest
 
 import gradaccum
 from gradaccum.cli.main import main
+from gradaccum.fielddocs import field_docs
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -44,5 +45,5 @@ def test_help_shows_every_field_of_workload() -> None:
     )
     for field in dataclasses.fields(gradaccum.Workload):
         assert f"{field.name} (" in text, field.name
-        first_words = " ".join(field.metadata["doc"].split()[:4])
+        first_words = " ".join(field_docs(gradaccum.Workload)[field.name].split()[:4])
         assert first_words in re.sub(r"\s+", " ", text), field.name

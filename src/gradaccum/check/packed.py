@@ -31,6 +31,7 @@ from gradaccum.check.runs import FLOOR_RATIO
 from gradaccum.check.tolerances import Tolerance
 from gradaccum.check.workload import OptimizerFactory, Workload, sgd
 from gradaccum.errors import PlanError, WorkloadError
+from gradaccum.fielddocs import document_fields
 from gradaccum.loss import CausalLMLoss, Normalization
 from gradaccum.packing import Packed, pack, pad
 from gradaccum.precision import dtype_name
@@ -55,6 +56,7 @@ LAYOUT_TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackedReport:
     """The outcome of :func:`verify_packed`."""
@@ -70,6 +72,7 @@ class PackedReport:
     layout_param_max_abs_diff: float
     """Worst absolute parameter difference after each layout's full-batch update."""
     layout_tol: Tolerance
+    """The float64 tolerance of the layout comparison, with its justification."""
     packed_loss: float
     """The packed rows' full-batch mean loss at the initial weights."""
     padded_loss: float
@@ -81,6 +84,7 @@ class PackedReport:
     expect_same: bool
     """Whether the normalization makes the update independent of the layout (token, document)."""
     likely_causes: tuple[str, ...] = ()
+    """Why a check failed, most specific first; empty when everything passed."""
 
     @property
     def layouts_agree(self) -> bool:

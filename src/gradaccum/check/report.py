@@ -9,6 +9,7 @@ from typing import NamedTuple
 from gradaccum.check.audit import CountAudit, summarize_audits
 from gradaccum.check.tolerances import Tolerance
 from gradaccum.errors import EquivalenceError
+from gradaccum.fielddocs import document_fields
 from gradaccum.hazards.scanner import Finding
 
 __all__ = ["EquivalenceReport", "ParamRow", "TraceReport", "describe_sizes"]
@@ -33,6 +34,7 @@ class ParamRow(NamedTuple):
     """Largest absolute difference after one optimizer update."""
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EquivalenceReport:
     """The outcome of one equivalence check."""
@@ -44,7 +46,9 @@ class EquivalenceReport:
     param_max_abs_diff: float
     """Worst absolute parameter difference after one optimizer update."""
     grad_tol: Tolerance
+    """The gradient tolerance for ``dtype``, with the arithmetic that justifies it."""
     param_tol: Tolerance
+    """The parameter tolerance for ``dtype``, with its justification."""
     worst: tuple[ParamRow, ...]
     """Every parameter, worst gradient error first."""
     likely_causes: tuple[str, ...]
@@ -76,6 +80,7 @@ class EquivalenceReport:
     name: str = ""
     """The workload's name, when there is one."""
     device: str = "cpu"
+    """Where the diagnostic ran."""
 
     @property
     def grad_passed(self) -> bool:
@@ -111,6 +116,7 @@ class EquivalenceReport:
         return self
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TraceReport:
     """Stage 2: loss and gradient-norm traces of two partitionings over the same optimizer steps."""
@@ -128,20 +134,25 @@ class TraceReport:
     baseline_loss: tuple[float, ...]
     """Mean loss per step (NaN where the step was skipped)."""
     candidate_loss: tuple[float, ...]
+    """The candidate's mean loss per step, the same way."""
     baseline_grad_norm: tuple[float, ...]
     """Gradient norm before clipping per step (NaN where skipped)."""
     candidate_grad_norm: tuple[float, ...]
+    """The candidate's gradient norm per step, the same way."""
     loss_max_rel_diff: float
     """Largest ``|candidate - baseline| / |baseline|`` over the loss trace."""
     grad_norm_max_rel_diff: float
     """Largest relative difference over the gradient-norm trace."""
     tol: Tolerance
+    """The relative tolerance both traces must keep, with its justification."""
     skipped: tuple[str, ...] = ()
     """Steps skipped by either side, with the reason."""
     seed: int = 0
     """Seed of the initialization; step ``s`` draws its batch with seed ``seed + s``."""
     name: str = ""
+    """The workload's name, when there is one."""
     device: str = "cpu"
+    """Where the traces ran."""
 
     def summary(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"

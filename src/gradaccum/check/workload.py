@@ -11,7 +11,6 @@ import functools
 import importlib
 import os
 import sys
-import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ import torch.nn as nn
 
 from gradaccum.batch import Batch
 from gradaccum.errors import GradAccumError, WorkloadError
+from gradaccum.fielddocs import document_fields
 from gradaccum.step.accumulator import CountFn, LossFn
 from gradaccum.values import require_int
 
@@ -37,11 +37,7 @@ def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _doc(text: str) -> dict[str, str]:
-    """A field's documentation, kept where ``help(Workload)`` shows it (see :func:`_document_fields`)."""
-    return {"doc": text}
-
-
+@document_fields
 @dataclass(frozen=True, kw_only=True)
 class Workload:
     """A model factory, a source of examples, and the loss and count that define the objective.
@@ -75,51 +71,34 @@ class Workload:
     The README's "Workloads" section has a complete, runnable example.
     """
 
-    name: str = field(metadata=_doc("Short name shown in reports."))
-    build_model: Callable[[], nn.Module] = field(
-        metadata=_doc(
-            "Returns a fresh model with the same initial weights on every call (seed inside, e.g. "
-            "torch.manual_seed in a torch.random.fork_rng block); the checks compare two of them."
-        )
-    )
-    make_batch: Callable[[int, int], Batch] = field(
-        metadata=_doc(
-            "make_batch(n_examples, seed): n_examples examples sharing dim 0, deterministic in seed. "
-            "Seed 0 is the verification batch; training and benchmarks draw further seeds."
-        )
-    )
-    loss_fn: LossFn = field(
-        metadata=_doc(
-            "loss_fn(model, micro_batch): the loss SUMMED over the micro-batch's counted units (a 0-dim "
-            "tensor that requires grad); the step divides by the window's global count."
-        )
-    )
-    count_fn: CountFn = field(
-        metadata=_doc("count_fn(micro_batch): how many units loss_fn sums over (int or integer tensor).")
-    )
-    optimizer_factory: OptimizerFactory = field(
-        default=sgd, metadata=_doc("Builds the optimizer from the model's parameters (default SGD, lr 0.1).")
-    )
-    batch_size: int = field(default=8, metadata=_doc("Examples in the verification batch."))
-    micro_batch: int = field(default=2, metadata=_doc("Default micro-batch for verification."))
-    unit: str = field(
-        default="tokens",
-        metadata=_doc('What count_fn counts, for reports ("tokens", "sequences", "documents", "examples").'),
-    )
-    description: str = field(
-        default="", metadata=_doc("One line on what the workload is and what it should show.")
-    )
-    declared_hazards: tuple[str, ...] = field(
-        default=(),
-        metadata=_doc('Batch couplings the scan cannot see in the modules, e.g. ("in-batch-negatives",).'),
-    )
-    extras: dict[str, Any] = field(
-        default_factory=dict,
-        metadata=_doc(
-            "Workload-specific objects other front ends may use: encode_fn and rep_loss_fn for "
-            "verify --cached; documents (token-id sequences), seq_len and pad_id for verify --packed."
-        ),
-    )
+    name: str
+    """Short name shown in reports."""
+    build_model: Callable[[], nn.Module]
+    """Returns a fresh model with the same initial weights on every call (seed inside, e.g.
+    torch.manual_seed in a torch.random.fork_rng block); the checks compare two of them."""
+    make_batch: Callable[[int, int], Batch]
+    """make_batch(n_examples, seed): n_examples examples sharing dim 0, deterministic in seed.
+    Seed 0 is the verification batch; training and benchmarks draw further seeds."""
+    loss_fn: LossFn
+    """loss_fn(model, micro_batch): the loss SUMMED over the micro-batch's counted units (a 0-dim
+    tensor that requires grad); the step divides by the window's global count."""
+    count_fn: CountFn
+    """count_fn(micro_batch): how many units loss_fn sums over (int or integer tensor)."""
+    optimizer_factory: OptimizerFactory = sgd
+    """Builds the optimizer from the model's parameters (default SGD, lr 0.1)."""
+    batch_size: int = 8
+    """Examples in the verification batch."""
+    micro_batch: int = 2
+    """Default micro-batch for verification."""
+    unit: str = "tokens"
+    """What count_fn counts, for reports ("tokens", "sequences", "documents", "examples")."""
+    description: str = ""
+    """One line on what the workload is and what it should show."""
+    declared_hazards: tuple[str, ...] = ()
+    """Batch couplings the scan cannot see in the modules, e.g. ("in-batch-negatives",)."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Workload-specific objects other front ends may use: encode_fn and rep_loss_fn for
+    verify --cached; documents (token-id sequences), seq_len and pad_id for verify --packed."""
 
     def __post_init__(self) -> None:
         for name in ("build_model", "make_batch", "loss_fn", "count_fn", "optimizer_factory"):
@@ -131,25 +110,6 @@ class Workload:
     def batch(self, seed: int = 0) -> Batch:
         """The verification batch (``batch_size`` examples drawn with ``seed``)."""
         return self.make_batch(self.batch_size, seed)
-
-
-def _document_fields(cls: type) -> None:
-    """Append each field's documentation to the class docstring, so that ``help()`` shows it."""
-    lines = ["", "    Fields:", ""]
-    for f in dataclasses.fields(cls):
-        default = (
-            ""
-            if f.default is dataclasses.MISSING
-            else f", default {getattr(f.default, '__name__', repr(f.default))}"
-        )
-        if f.default_factory is not dataclasses.MISSING:
-            default = ", default empty"
-        lines.append(f"    {f.name} ({f.type}{default})")
-        lines.append(textwrap.fill(f.metadata["doc"], 100, initial_indent=" " * 8, subsequent_indent=" " * 8))
-    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
-
-
-_document_fields(Workload)
 
 
 HF_PREFIX = "hf:"

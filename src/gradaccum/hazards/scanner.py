@@ -32,6 +32,7 @@ from typing import Literal
 import torch.nn as nn
 
 from gradaccum.errors import PlanError
+from gradaccum.fielddocs import document_fields
 from gradaccum.values import require_int
 
 __all__ = [
@@ -71,6 +72,7 @@ EXPERT_COUNT_NAMES = ("num_experts", "n_experts", "num_local_experts", "n_routed
 _ROUTER_NAME_PARTS = ("router", "moe", "gate", "gating", "expert")
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Finding:
     """One thing in a model or its loss that changes under accumulation, and what to do about it."""

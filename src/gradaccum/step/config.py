@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from gradaccum.errors import ConfigError
+from gradaccum.fielddocs import document_fields
 from gradaccum.values import require_int
 
 __all__ = ["AccumConfig", "LossReduction", "StepResult"]
@@ -29,6 +30,7 @@ def _bool(name: str, value: object) -> None:
         )
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AccumConfig:
     """The settings of an accumulator: what a run card records and replays."""
@@ -97,6 +99,7 @@ class AccumConfig:
         return cls(**data)
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
     """What one call of :meth:`Accumulator.step` did."""
