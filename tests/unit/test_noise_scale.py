@@ -133,3 +133,22 @@ def test_a_backward_outside_the_step_is_not_measured() -> None:
                 population.window([5], gen)  # the same draws, so the windows match
         estimates.append(acc.noise_scale)
     assert estimates[0] == estimates[1]
+
+
+@pytest.mark.parametrize("config", [{}, {"max_grad_norm": 1.0}])
+def test_one_process_still_reads_the_device_once_per_step(config: dict[str, object]) -> None:
+    from gradaccum import split
+    from gradaccum.distributed.comm import count_sync_points
+    from tests.helpers import models
+
+    window = split(models.gpt_batch(6, seed=2), sizes=[1, 3, 2])
+    for noise_scale in (False, True):
+        model = models.gpt()
+        acc = Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), noise_scale=noise_scale, **config
+        )
+        acc.step(window, models.gpt_loss, models.tokens)
+        with count_sync_points() as points:
+            acc.step(window, models.gpt_loss, models.tokens)
+        assert (points.collectives, points.host_reads) == (0, 1), points.by_name
+    assert acc.noise_scale.samples == 2
