@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from gradaccum.step.noise import EMA_BETA
 
-__all__ = ["bias_corrected_ema", "ema_standard_error", "reference_estimate", "within"]
+__all__ = ["bias_corrected_ema", "ema_factor", "reference_estimate", "spread", "within"]
 
 
 def reference_estimate(per_example: torch.Tensor, window: Sequence[dict[str, Any]]) -> tuple[float, float]:
@@ -41,17 +41,29 @@ def bias_corrected_ema(values: Sequence[float], beta: float = EMA_BETA) -> float
     return m / (1 - beta ** len(values))
 
 
-def ema_standard_error(values: Sequence[float], beta: float = EMA_BETA) -> float:
-    """Standard error of :func:`bias_corrected_ema` over independent, identically distributed values.
+def spread(
+    per_example: torch.Tensor,
+    draw: Callable[[torch.Generator], Sequence[dict[str, Any]]],
+    windows: int,
+    seed: int,
+) -> tuple[float, float]:
+    """The per-window standard deviations of (tr(Sigma)^, |G|^2^) over ``windows`` fresh windows of
+    the same design (``draw``), from the reference: the spread the tests' error bars scale."""
+    gen = torch.Generator().manual_seed(seed)
+    estimates = [reference_estimate(per_example, draw(gen)) for _ in range(windows)]
+    return statistics.stdev(t for t, _ in estimates), statistics.stdev(q for _, q in estimates)
 
-    The EMA weighs value t (of T) by beta^(T-t) / sum_s beta^(T-s); the variance of a weighted
-    mean of i.i.d. values is Var * sum w^2 / (sum w)^2 = Var / T_eff, the sample variance standing
-    in for Var. (T_eff = 152 for T = 200 at beta = 0.99, 180 for T = 300.)
+
+def ema_factor(windows: int, beta: float = EMA_BETA) -> float:
+    """The standard error of :func:`bias_corrected_ema` over ``windows`` i.i.d. values, per unit of
+    their standard deviation.
+
+    The EMA weighs value t (of T) by beta^(T-t) / sum_s beta^(T-s); a weighted mean of i.i.d.
+    values has the variance Var * sum w^2 / (sum w)^2 = Var / T_eff (T_eff = 152 for T = 200 at
+    beta = 0.99, 180 for T = 300), against Var / T for the plain mean.
     """
-    t = len(values)
-    weights = [beta ** (t - 1 - i) for i in range(t)]
-    t_eff = sum(weights) ** 2 / sum(w * w for w in weights)
-    return statistics.stdev(values) / math.sqrt(t_eff)
+    weights = [beta**i for i in range(windows)]
+    return math.sqrt(sum(w * w for w in weights)) / sum(weights)
 
 
 def within(estimate: float, truth: float, standard_error: float, z: float) -> bool:

@@ -90,6 +90,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     opt.add_argument(
         "--max-consecutive-skips", type=int, default=10, help="stop after this many skips in a row"
     )
+    opt.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="estimate the gradient noise scale B_simple (the critical batch) from the micro-batches; "
+        "logged per step and in the summary and run card; the update is unchanged",
+    )
     opt.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     opt.add_argument(
         "--schedule-clock",
@@ -141,6 +147,7 @@ def _plan_and_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dic
                 max_grad_norm=max_norm if max_norm != 0 else None,  # 0 turns clipping off
                 track_grad_norm=True,
                 max_consecutive_skips=args.max_consecutive_skips,
+                noise_scale=args.noise_scale,
             )
         except ValueError as exc:
             raise TrainError(f"--max-grad-norm / --max-consecutive-skips: {exc}") from exc
@@ -161,12 +168,14 @@ def _plan_and_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dic
             f"this job has {world} process(es). Launch with torchrun --nproc_per_node {card.plan.dp}, or "
             "verify a plan for this world size."
         )
-    # track_grad_norm only adds the norm to the records; it does not change the update
+    # track_grad_norm and noise_scale only add figures to the records; they do not change the update
     fixed = {
         "workload": card.workload,
         "precision": card.precision,
         "seed": card.seed,
-        "accum": replace(card.accum, track_grad_norm=True),
+        "accum": replace(
+            card.accum, track_grad_norm=True, noise_scale=card.accum.noise_scale or args.noise_scale
+        ),
     }
     return card.plan, fixed
 
@@ -406,6 +415,8 @@ class _Renderer:
             )
         if result.eval_loss is not None:
             console.print(f"eval loss {result.eval_loss:.4f}")
+        if result.critical_batch is not None:
+            console.print(escape(result.critical_batch))
         console.print(
             f"{result.stopped}: {p.windows} boundaries, {p.steps_applied} updates applied, {p.steps_skipped} "
             f"skipped; {p.tokens_consumed:,} tokens consumed; {result.tokens_per_s:,.0f} tok/s"
