@@ -29,7 +29,7 @@ pytestmark = pytest.mark.distributed
 WINDOWS = 200
 Z = 5.0
 MICRO_BATCHES = {0: 3, 1: 2}
-SIZES = (2, 4, 8, 16, 32)
+SIZES = (8, 16, 32, 64)
 
 
 def _population() -> RegressionPopulation:

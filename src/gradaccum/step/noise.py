@@ -196,7 +196,13 @@ class NoiseScaleMeter:
         self._armed = False
         self._norms: list[torch.Tensor] = []  # this micro-batch's, one per parameter reached
         self._window: list[torch.Tensor] = []  # |Delta_j|^2 of each micro-batch of the window
-        self._handles = [p.register_hook(self._record) for p in params if p.requires_grad]
+        # a gradient has its parameter's dtype: the norm runs in it (allocating nothing of its
+        # size), except float16, whose norm would overflow past 65504 and reduces in float32
+        self._handles = [
+            p.register_hook(self._record_wide if p.dtype == torch.float16 else self._record)
+            for p in params
+            if p.requires_grad
+        ]
         self._mean_trace = 0.0
         self._mean_grad_sq = 0.0
         self._samples = 0
@@ -207,10 +213,11 @@ class NoiseScaleMeter:
 
     def _record(self, grad: torch.Tensor) -> None:
         if self._armed:
-            # the norm in the gradient's own dtype allocates nothing of its size; float16 would
-            # overflow past 65504, so its reduction runs in float32
-            wide = torch.float32 if grad.dtype == torch.float16 else None
-            self._norms.append(torch.linalg.vector_norm(grad, dtype=wide))
+            self._norms.append(torch.linalg.vector_norm(grad))
+
+    def _record_wide(self, grad: torch.Tensor) -> None:
+        if self._armed:
+            self._norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
 
     def start(self) -> None:
         """Arm the hooks for a window's micro-batches."""
