@@ -24,7 +24,9 @@ replayed representations times their cached gradients. The phases are
    unscale, clip, step, schedule and hooks, once.
 
 So a DDP update costs two small all-reduces besides the gradients' own, and one process reads the
-device once. A failure on one rank stops every rank at an agreement point instead of leaving the
+device once. ``noise_scale=True`` (:mod:`gradaccum.step.noise`) adds parameter hooks that read each
+micro-batch's gradient and, under DDP with the agreement on, one small all-reduce of its sums in
+phase 4; no host read. A failure on one rank stops every rank at an agreement point instead of leaving the
 others in a collective: :mod:`gradaccum.step.agreement` says where, and what that cannot cover.
 """
 
