@@ -35,6 +35,8 @@ def _counted(rank: int, world: int) -> dict[str, Any]:
         ("default", AccumConfig()),
         ("clipped", AccumConfig(max_grad_norm=1.0)),
         ("no agreement", AccumConfig(agree_on_failure=False)),
+        ("noise", AccumConfig(noise_scale=True)),
+        ("noise no agreement", AccumConfig(noise_scale=True, agree_on_failure=False)),
     ):
         ddp = DDP(models.gpt())  # no counting comm hook: its all-reduces are Python calls too
         acc = Accumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), config=config)
@@ -85,6 +87,21 @@ def test_the_loss_adds_no_host_read_of_its_own(
     # the global loss is the same on both ranks, whichever collective carried it
     assert counted[0][config + " loss"] == pytest.approx(counted[1][config + " loss"], rel=1e-12)
     assert counted[0]["default loss"] == pytest.approx(counted[0]["no agreement loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize(("config", "collectives"), [("noise", 3), ("noise no agreement", 2)])
+def test_the_noise_scale_adds_at_most_one_small_all_reduce_and_no_host_read(
+    counted: list[dict[str, Any]], config: str, collectives: int
+) -> None:
+    # its two sums (P, K) travel in the loss's end-of-window reduction when there is one
+    # (agreement off), else in one all-reduce of their own; their values ride in the step's one
+    # end-of-step read, so the host reads stay those of the same configuration without it
+    reads = 3 if config == "noise" else 2
+    for rank in counted:
+        for got, host_reads, names in rank[config]:
+            assert got == collectives and names["all_reduce"] == collectives, names
+            assert host_reads == reads, names
+    assert counted[0][config + " loss"] == pytest.approx(counted[0]["default loss"], rel=1e-12)
 
 
 def test_the_cached_step_costs_what_its_gather_needs(counted: list[dict[str, Any]]) -> None:

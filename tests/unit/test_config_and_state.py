@@ -31,6 +31,8 @@ WRONG: list[tuple[str, Any, str]] = [
     ("skip_nonfinite", "false", "skip_nonfinite must be True or False, got 'false'"),
     ("skip_nonfinite", None, "skip_nonfinite must be True or False"),
     ("agree_on_failure", 0, "agree_on_failure must be True or False"),
+    ("noise_scale", "yes", "noise_scale must be True or False, got 'yes'"),
+    ("noise_scale", None, "noise_scale must be True or False"),
     ("max_consecutive_skips", "3", "max_consecutive_skips must be a positive integer"),
     ("max_consecutive_skips", 2.0, "max_consecutive_skips must be a positive integer"),
     ("max_consecutive_skips", True, "max_consecutive_skips must be a positive integer"),
@@ -56,7 +58,9 @@ def test_accum_config_refuses_a_wrong_type_naming_the_field_and_value(
 
 
 def test_config_round_trips_through_json_and_refuses_unknown_keys() -> None:
-    config = AccumConfig(max_grad_norm=0.5, defer_sync=False, max_consecutive_skips=3, agree_on_failure=False)
+    config = AccumConfig(
+        max_grad_norm=0.5, defer_sync=False, max_consecutive_skips=3, agree_on_failure=False, noise_scale=True
+    )
     assert AccumConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with pytest.raises(ConfigError, match=r"unknown settings \['clip'\]"):
         AccumConfig.from_dict({"clip": 1.0})

@@ -111,6 +111,13 @@ class CachedAccumulator(EngineFace):
             "agree_on_failure": agree_on_failure,
         }
         config = resolve_config(config, keywords)
+        if config.noise_scale:
+            raise CacheError(
+                "noise_scale=True is not supported by CachedAccumulator: an objective over the whole "
+                "window's representations has no per-micro-batch gradient of its own (each replay "
+                "backpropagates its share of one coupled loss), so there are no small batches to "
+                "measure. Leave noise_scale off here; estimate it on a per-example loss instead."
+            )
         if config.loss_reduction != "sum":
             raise CacheError(
                 f"loss_reduction={config.loss_reduction!r} has no meaning for CachedAccumulator: "

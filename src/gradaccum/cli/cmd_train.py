@@ -201,6 +201,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="linear warmup, then cosine decay to --min-lr-ratio, or then flat (default cosine)",
     )
     opt.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="estimate the gradient noise scale B_simple (the critical batch) from the micro-batches; "
+        "logged per step and in the summary and run card; the update is unchanged",
+    )
+    opt.add_argument(
         "--schedule-clock",
         choices=("steps", "tokens"),
         default="steps",
@@ -353,12 +359,14 @@ def _from_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[st
             f"run card {args.runcard} names optimizer {card.optimizer} but no lr; it cannot be trained "
             "as recorded (write lr into the card, or run accept again)"
         )
-    # track_grad_norm only adds the norm to the records; it does not change the update
+    # track_grad_norm and noise_scale only add figures to the records; they do not change the update
     fixed = {
         "workload": card.workload,
         "precision": card.precision,
         "seed": card.seed,
-        "accum": replace(card.accum, track_grad_norm=True),
+        "accum": replace(
+            card.accum, track_grad_norm=True, noise_scale=card.accum.noise_scale or args.noise_scale
+        ),
         "optimizer": card.optimizer,
         "lr": card.lr if card.lr is not None else DEFAULT_LR,
         "weight_decay": card.weight_decay if card.weight_decay is not None else DEFAULT_WEIGHT_DECAY,
@@ -392,6 +400,7 @@ def _from_flags(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[s
         max_grad_norm=max_norm if max_norm != 0 else None,  # 0 turns clipping off
         track_grad_norm=True,
         max_consecutive_skips=_given(args.max_consecutive_skips, DEFAULT_MAX_SKIPS),
+        noise_scale=args.noise_scale,
     )
     fixed = {
         "workload": _given(args.workload, DEFAULT_WORKLOAD),
@@ -903,6 +912,8 @@ class _Renderer:
             )
         if result.eval_loss is not None:
             console.print(f"eval loss {result.eval_loss:.4f}")
+        if result.critical_batch is not None:
+            console.print(escape(result.critical_batch))
         # the same clock as the progress lines (time inside windows), then the whole wall time
         in_windows = self.tokens / self.seconds if self.seconds else 0.0
         console.print(

@@ -18,8 +18,18 @@ from gradaccum.step.checks import check_loss, unmean
 from gradaccum.step.config import AccumConfig, LossReduction, StepResult
 from gradaccum.step.engine import ZERO_COUNT, Contribution, CountFn, Observer, WindowCount, WindowEngine
 from gradaccum.step.face import EngineFace
+from gradaccum.step.noise import NoiseScale
 
-__all__ = ["ZERO_COUNT", "AccumConfig", "Accumulator", "CountFn", "LossFn", "StepResult", "WindowCount"]
+__all__ = [
+    "ZERO_COUNT",
+    "AccumConfig",
+    "Accumulator",
+    "CountFn",
+    "LossFn",
+    "NoiseScale",
+    "StepResult",
+    "WindowCount",
+]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch)``: the loss summed over the micro-batch's counted units."""
@@ -57,6 +67,7 @@ class Accumulator(EngineFace):
         skip_nonfinite: bool = _UNSET,
         max_consecutive_skips: int | None = _UNSET,
         agree_on_failure: bool = _UNSET,
+        noise_scale: bool = _UNSET,
         config: AccumConfig | None = None,
         dp_group: Any = None,
         on_step: Sequence[Callable[[StepResult], None]] = (),
@@ -70,6 +81,7 @@ class Accumulator(EngineFace):
             "skip_nonfinite": skip_nonfinite,
             "max_consecutive_skips": max_consecutive_skips,
             "agree_on_failure": agree_on_failure,
+            "noise_scale": noise_scale,
         }
         config = resolve_config(config, keywords)
         self._engine = WindowEngine(
@@ -107,6 +119,12 @@ class Accumulator(EngineFace):
             on_step=on_step,
             observer=observer,
         )
+
+    @property
+    def noise_scale(self) -> NoiseScale:
+        """The gradient noise scale B_simple over the windows stepped so far (frozen), with
+        ``noise_scale=True``; a :class:`ConfigError` without. See :mod:`gradaccum.step.noise`."""
+        return self._engine.noise_scale
 
     def step(self, window: Iterable[Any], loss_fn: LossFn, count_fn: CountFn) -> StepResult:
         """Accumulate the window's gradients exactly and apply one optimizer update."""

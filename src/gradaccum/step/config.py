@@ -58,6 +58,12 @@ class AccumConfig:
     (the CPU waits for the last forward before it queues the backward), not a collective: the loss
     is then reduced after the backward instead. The cost: a rank that fails mid-window leaves the
     others waiting in the gradient all-reduce until the process-group timeout."""
+    noise_scale: bool = False
+    """Estimate the gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018),
+    the critical batch, from each micro-batch's gradient and the window's, read by
+    ``Accumulator.noise_scale`` (see :mod:`gradaccum.step.noise`). The update does not change; it
+    costs a norm per parameter per micro-batch and, under DDP with ``agree_on_failure=True``, one
+    small all-reduce per update. One process and DDP only (not FSDP, not gradient caching)."""
 
     def __post_init__(self) -> None:
         norm = self.max_grad_norm
@@ -72,7 +78,7 @@ class AccumConfig:
             raise ConfigError(
                 f"AccumConfig.loss_reduction must be 'sum' or 'mean', got {self.loss_reduction!r}"
             )
-        for name in ("defer_sync", "track_grad_norm", "skip_nonfinite", "agree_on_failure"):
+        for name in ("defer_sync", "track_grad_norm", "skip_nonfinite", "agree_on_failure", "noise_scale"):
             _bool(name, getattr(self, name))
         require_int(
             "AccumConfig.max_consecutive_skips", self.max_consecutive_skips, error=ConfigError, none_ok=True

@@ -24,7 +24,9 @@ replayed representations times their cached gradients. The phases are
    unscale, clip, step, schedule and hooks, once.
 
 So a DDP update costs two small all-reduces besides the gradients' own, and one process reads the
-device once. A failure on one rank stops every rank at an agreement point instead of leaving the
+device once. ``noise_scale=True`` (:mod:`gradaccum.step.noise`) adds parameter hooks that read each
+micro-batch's gradient and, under DDP with the agreement on, one small all-reduce of its sums in
+phase 4; no host read. A failure on one rank stops every rank at an agreement point instead of leaving the
 others in a collective: :mod:`gradaccum.step.agreement` says where, and what that cannot cover.
 """
 
@@ -65,6 +67,7 @@ from gradaccum.step.agreement import (
 )
 from gradaccum.step.checks import as_count, check_window_shapes
 from gradaccum.step.config import AccumConfig, StepResult
+from gradaccum.step.noise import NoiseScale, NoiseScaleMeter
 from gradaccum.step.norms import clip_grads_, nonfinite_flag, total_norm, uniform_plain
 from gradaccum.values import require_int
 
@@ -213,6 +216,28 @@ class WindowEngine:
         settings["scaler"] = type(scaler).__name__ if scaler is not None else None
         self._settings = rank_settings(settings, model) if self._distributed else settings
         self._fingerprint = fingerprint(self._settings) if self._distributed else []
+        self._noise = self._noise_meter() if config.noise_scale else None
+
+    def _noise_meter(self) -> NoiseScaleMeter:
+        if self.kind in ("fsdp", "fsdp2"):
+            raise ConfigError(
+                f"noise_scale=True is not supported under {self.kind.upper()}: it reads each "
+                "micro-batch's gradient through hooks on the parameters the accumulator holds, and "
+                "under FSDP those are shards that FSDP fills in its own reduce-scatter (with sync "
+                "deferred, only after the last micro-batch). Measure the noise scale under DDP or on "
+                "one process (it does not depend on the sharding), or leave noise_scale off."
+            )
+        return NoiseScaleMeter(self.model, self._params, device=self.device, uniform=self._uniform)
+
+    @property
+    def noise_scale(self) -> NoiseScale:
+        """The gradient noise scale so far (``noise_scale=True``); see :mod:`gradaccum.step.noise`."""
+        if self._noise is None:
+            raise ConfigError(
+                "this accumulator does not measure the gradient noise scale; build it with "
+                "noise_scale=True (AccumConfig(noise_scale=True))"
+            )
+        return self._noise.result()
 
     # -- counters -------------------------------------------------------------------------------
 
@@ -360,6 +385,9 @@ class WindowEngine:
         reduced: list[float] | None = None
         last = len(micro_batches) - 1
         resync = self._resync
+        noise = self._noise
+        if noise is not None:
+            noise.start()
         for i, mb in enumerate(micro_batches):
             self.emit("micro_start", i)
             syncs = i == last or not defer or (i == 0 and resync)
@@ -385,6 +413,8 @@ class WindowEngine:
                     self._fail_alone(failure)
                 if syncs and piece is not None:
                     self._sync_backward(piece.backprop, i)
+            if noise is not None:
+                noise.fold()  # this micro-batch's |Delta_j|^2, from the hooks its backward ran
             self.emit("micro_end", i)
         if reduced is not None:
             loss = torch.tensor(reduced[0], dtype=torch.float64, device=self.device)
@@ -415,34 +445,45 @@ class WindowEngine:
         # finiteness comes from the norm when clipping or the report needs it anyway, else from a
         # fused check that costs a third of it (replicated gradients only: a shard's check is local)
         nonfinite = None
-        if config.skip_nonfinite and not config.wants_norm and self.kind in ("local", "ddp"):
+        noise = self._noise  # it needs the norm, which then also says whether the gradient is finite
+        fused = noise is None and self.kind in ("local", "ddp")
+        if config.skip_nonfinite and not config.wants_norm and fused:
             nonfinite = nonfinite_flag(grads, uniform=self._uniform)
         norm = None
         if config.wants_norm or (config.skip_nonfinite and nonfinite is None):
             norm = self._grad_norm(grads)
         zero = self._zero
         gradient = norm if norm is not None else nonfinite
-        summary = torch.stack(
-            [
-                accumulated.loss if objective is None else objective.detach().to(torch.float64),
-                accumulated.rejected,
-                zero if gradient is None else gradient.detach().to(torch.float64),
-                counted.global_count,
-                counted.local_count,
-                zero if counted.min_count is None else counted.min_count,
-            ]
-        )
-        if self._distributed and not accumulated.loss_is_global:
+        entries = [
+            accumulated.loss if objective is None else objective.detach().to(torch.float64),
+            accumulated.rejected,
+            zero if gradient is None else gradient.detach().to(torch.float64),
+            counted.global_count,
+            counted.local_count,
+            zero if counted.min_count is None else counted.min_count,
+        ]
+        if noise is not None:  # [P, K, |grad|^2, sigma] at 6..9 (gradaccum.step.noise)
+            big = norm if norm is not None or not grads else self._grad_norm(grads)
+            entries += noise.window_sums(counted.counts, big, self.scaler)
+        summary = torch.stack(entries)
+        lo = 0 if objective is None else 1
+        if self._distributed and noise is None and not accumulated.loss_is_global:
             # the count is already global, and so is the norm (gradients are synchronized, and
             # sharded norms are reduced by _grad_norm); the loss and the vetoes are still local
             # (a given objective is global already: only the vetoes then)
-            lo = 0 if objective is None else 1
             summary[lo:2] = dist.all_reduce_sum_(
                 summary[lo:2].clone(), self.dp_group, what="the window's loss"
             )
+        elif self._distributed and noise is not None:
+            # every rank's micro-batches are small batches: P and K are summed over ranks, in the
+            # loss's reduction when it has one, else in one small all-reduce of their own
+            slots = [6, 7] if accumulated.loss_is_global else [*range(lo, 2), 6, 7]
+            summary[slots] = dist.all_reduce_sum_(
+                summary[slots], self.dp_group, what="the window's loss and noise-scale sums"
+            )
         # the step's one host read on a single process; a NaN or inf on any rank makes the
         # reduced loss or the global norm non-finite, so every rank reaches the same verdict
-        loss_value, rejected, norm_host, n_total, n_local, smallest = summary.tolist()
+        loss_value, rejected, norm_host, n_total, n_local, smallest, *noisy = summary.tolist()
         n_global, local_n, k = int(n_total), int(n_local), accumulated.micro_batches
         if smallest < 0:
             self.zero_grad()
@@ -476,6 +517,8 @@ class WindowEngine:
             self.scheduler.step()
         self.steps_applied += 1
         self.consecutive_skips = 0
+        if noise is not None:
+            noise.update(noisy, n_global, counted.world)
         result = StepResult(
             loss=mean_loss,
             local_count=local_n,
@@ -518,6 +561,8 @@ class WindowEngine:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self._noise is not None:  # every abandoned or skipped window passes here
+            self._noise.discard()
         if self._params_outside_optimizer:  # e.g. frozen or separately optimized parameters
             for p in self._params_outside_optimizer:
                 p.grad = None

@@ -118,6 +118,11 @@ class TrainConfig:
             raise TrainError(f"lr must be a positive number, got {self.lr!r}")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise TrainError(f"weight_decay must be a non-negative number, got {self.weight_decay!r}")
+        if self.fsdp and self.accum.noise_scale:
+            raise TrainError(
+                "the noise scale (accum.noise_scale, --noise-scale) is measured under DDP or on one "
+                "process, not under FSDP2 (--fsdp): train without one of them"
+            )
         if self.precision == "float16" and not self.accum.skip_nonfinite:
             raise TrainError(
                 "precision float16 needs accum.skip_nonfinite=True: an overflowed window must be skipped "

@@ -35,6 +35,7 @@ from gradaccum.distributed import dist
 from gradaccum.precision import autocast_loss, make_scaler
 from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
+from gradaccum.step.noise import NoiseScale
 from gradaccum.train.build import build_model, build_optimizer
 from gradaccum.train.checkpoint import (
     ResumePoint,
@@ -135,6 +136,11 @@ class TrainResult:
         """Valid units seen per second spent in windows: the figure the progress lines show."""
         seen = self.tokens_per_s * self.wall_s
         return seen / self.window_s if self.window_s > 0 else 0.0
+
+    noise_scale: NoiseScale | None = None
+    """The gradient noise scale at the end (``accum.noise_scale``; this segment's windows)."""
+    critical_batch: str | None = None
+    """Where the global batch stands against B_simple, in words (``accum.noise_scale``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -307,6 +313,7 @@ def _train_window(s: _Session) -> StepRecord:
         loss_scale=float(s.scaler.get_scale()) if s.scaler is not None else None,
         step_time_ms=elapsed * 1e3,
         tokens_per_s=n / elapsed if elapsed > 0 else 0.0,
+        b_simple=s.acc.noise_scale.b_simple if s.acc.config.noise_scale else None,
     )
 
 
@@ -349,7 +356,17 @@ def _checkpoint_reason(
     return None
 
 
+def _critical_batch(workload: Workload, s: _Session) -> tuple[NoiseScale | None, str | None]:
+    """The noise scale and, in words, where the run's mean global batch (in units) stands."""
+    if not s.acc.config.noise_scale:
+        return None, None
+    p, noise = s.progress, s.acc.noise_scale
+    units = p.tokens_seen / p.windows if p.windows else float(s.tokens_per_step)
+    return noise, noise.describe(units, workload.unit)
+
+
 def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None:
+    noise, words = _critical_batch(workload, s)
     card = RunCard(
         workload=config.workload,
         plan=config.plan,
@@ -375,6 +392,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
                 "examples [r * local_batch, (r + 1) * local_batch)",
                 "resumed_from": str(s.resumed_from) if s.resumed_from is not None else None,
             },
+            **({} if noise is None else {"noise_scale": {**noise.to_dict(), "critical_batch": words}}),
         },
     )
     write_runcard(card, config.run_dir / RUNCARD_FILE)
@@ -494,9 +512,12 @@ def train(
                 break
         if stopped != "interrupted before the first window":
             _open_records(config, workload, s, emit)  # a resumed run that had nothing left still records
+            if config.accum.noise_scale and emit.run_dir is not None:
+                _write_runcard(config, workload, s)  # the card records the run's final noise scale
     finally:
         emit.close()  # on every exit: the records and the curve show what stopped a run too
     wall_s = time.perf_counter() - started
+    noise, words = _critical_batch(workload, s)
     return TrainResult(
         run_dir=config.run_dir,
         progress=s.progress,
@@ -511,4 +532,6 @@ def train(
         wall_s=wall_s,
         tokens_per_s=(s.progress.tokens_seen - seen_at_start) / wall_s if wall_s > 0 else 0.0,
         window_s=window_s,
+        noise_scale=noise,
+        critical_batch=words,
     )

@@ -96,6 +96,9 @@ class StepRecord:
     """Wall time of the window, from drawing its data to the end of the optimizer step."""
     tokens_per_s: float
     """This window's valid units divided by its wall time."""
+    b_simple: float | None = None
+    """The gradient noise scale B_simple after this window, in the workload's units (``--noise-scale``;
+    None without it, or before it has an estimate)."""
     kind: str = "step"
 
 
