@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "Accumulator": "gradaccum.step.accumulator",
     "AccumConfig": "gradaccum.step.config",
     "StepResult": "gradaccum.step.config",
+    "NoiseScale": "gradaccum.step.noise",
     "CachedAccumulator": "gradaccum.cache.accumulator",
     "AdaptiveMicroBatch": "gradaccum.step.adaptive",
     "step_adaptive": "gradaccum.step.adaptive",
@@ -77,6 +78,7 @@ __all__ = [
     "Finding",
     "GradAccumError",
     "LossError",
+    "NoiseScale",
     "PackedReport",
     "PlanError",
     "RankFailedError",
@@ -137,6 +139,7 @@ if TYPE_CHECKING:
     from gradaccum.step.accumulator import Accumulator
     from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive
     from gradaccum.step.config import AccumConfig, StepResult
+    from gradaccum.step.noise import NoiseScale
 
 
 def __getattr__(name: str) -> Any:

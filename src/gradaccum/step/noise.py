@@ -74,6 +74,7 @@ import torch
 import torch.nn as nn
 
 from gradaccum.errors import ConfigError
+from gradaccum.fielddocs import document_fields
 
 __all__ = ["EMA_BETA", "NoiseScale", "NoiseScaleMeter", "window_estimate"]
 
@@ -83,6 +84,7 @@ EMA_BETA = 0.99
 _FLOAT64 = torch.float64
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoiseScale:
     """The gradient noise scale after the windows measured so far, in ``count_fn``'s units."""
