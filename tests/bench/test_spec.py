@@ -19,6 +19,7 @@ from gradaccum.plan import BatchPlan
 SWEEP_KEYS = [
     "workload", "global_batch", "dp", "plans", "runs", "steps", "warmup", "precision", "defer_sync",
     "device", "threads", "bucket_cap_mb", "seed", "max_grad_norm", "memory_budget_bytes",
+    "checkpointing", "sharding",  # issue 15: appended, the earlier keys unchanged
 ]  # fmt: skip
 ACCEPT_KEYS = [
     "workload", "baseline", "candidate", "margin", "block_updates", "blocks", "max_consecutive_skips",
