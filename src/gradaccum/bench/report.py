@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from gradaccum.bench.accept import AcceptResult
 from gradaccum.bench.models import CommModel, MemoryModel
+from gradaccum.bench.quality import QualityResult
 from gradaccum.bench.stats import ConfigSummary
 from gradaccum.bench.sweep import SweepResult
 
@@ -20,6 +21,8 @@ __all__ = [
     "fsdp2_rows",
     "memory_predictions",
     "memory_rows",
+    "quality_lines",
+    "quality_table",
     "sweep_markdown",
     "time_rows",
     "verdict_rows",
@@ -390,6 +393,86 @@ def verdict_lines(result: AcceptResult) -> list[str]:
     return lines
 
 
+def quality_table(quality: QualityResult) -> Table:
+    """Each arm's final evaluation loss per seed, its mean and 95 % interval."""
+    seeds = quality.baseline.seeds
+    headers = ["arm", "plan", "trained as", *[f"seed {s}" for s in seeds], "mean", "95% interval"]
+    rows = []
+    for name, arm in (("baseline", quality.baseline), ("candidate", quality.candidate)):
+        rows.append(
+            [
+                name,
+                arm.label,
+                arm.trained,
+                *[f"{x:.4f}" for x in arm.eval_losses],
+                f"{arm.mean:.4f}",
+                f"[{arm.low:.4f}, {arm.high:.4f}]",
+            ]
+        )
+    rows.append(
+        [
+            "candidate - baseline",
+            "",
+            "",
+            *[f"{d:+.2e}" for d in quality.paired_differences],
+            f"{quality.difference:+.4f}",
+            f"[{quality.difference_low:+.4f}, {quality.difference_high:+.4f}] (Welch)",
+        ]
+    )
+    return headers, rows
+
+
+def quality_lines(result: AcceptResult) -> list[str]:
+    """Why a representative quality run is needed (what the scan found), and its result if it ran."""
+    spec, reasons, quality = result.spec, result.quality_reasons, result.quality
+    lines = []
+    if reasons:
+        lines.append(
+            "The equivalence check proves one update exact, but the scan found what it had to switch off "
+            "or could not make exact, so a change of micro-batch can change training beyond one update:"
+        )
+        lines += [f"- {r}" for r in reasons]
+        lines.append("")
+    else:
+        lines.append(
+            "Short equivalence checks cannot guarantee final convergence; a change of physical "
+            "micro-batch or of randomness still needs a representative quality run."
+        )
+    if quality is None:
+        ask = "**A representative quality run is needed**" if reasons else "To run one"
+        lines.append(
+            f"{ask}: `gradaccum accept --baseline {spec.baseline.label()} --candidate "
+            f"{spec.candidate.label()} --quality-steps N --seeds 3` trains both from each seed and "
+            "compares their final evaluation loss."
+        )
+        return lines
+    lines += [
+        " ".join(
+            [
+                f"Both configurations trained {quality.spec.steps} updates from each of",
+                f"{len(quality.baseline.seeds)} seeds through `gradaccum.train` with production settings",
+                f"(dropout on, BatchNorm as it is, precision {quality.spec.precision}, the measured",
+                "accumulator settings; train's AdamW and warmup + cosine), then evaluated on",
+                f"{quality.spec.eval_examples} held-out examples (mean loss over the counted",
+                f"{quality.unit}).",
+                "A seed picks the data, the dropout draws and the held-out examples, the same for both arms.",
+            ]
+        ),
+        "",
+        _markdown_table(quality_table(quality)),
+        "",
+        f"**{quality.describe()[0].upper() + quality.describe()[1:]}.**",
+        "",
+        "Intervals: each arm's mean +- t(0.975, S-1) s / sqrt(S) over its S seeds; the difference of the "
+        "means with a Welch interval (Welch-Satterthwaite degrees of freedom, rounded down). Welch "
+        "treats the arms as independent, which is conservative: both arms of a seed share its data. "
+        "The per-seed differences are shown, not used: arms exact in arithmetic differ per seed by "
+        "float rounding alone.",
+    ]
+    lines += [f"Note: {n}." for n in quality.notes]
+    return lines
+
+
 def accept_markdown(result: AcceptResult) -> str:
     spec, settings = result.spec, result.spec.settings
     v = result.verdict
@@ -451,8 +534,9 @@ def accept_markdown(result: AcceptResult) -> str:
         f"- traces at {settings.precision} over {spec.trace_steps} updates: "
         f"{'PASS' if result.equivalence.trace.passed else 'FAIL'}: {result.equivalence.trace.figure}",
         "",
-        "Short equivalence checks cannot guarantee final convergence; a change of physical micro-batch "
-        "still needs a representative quality run.",
+        "## Quality run",
+        "",
+        *quality_lines(result),
         "",
         "## Files",
         "",
