@@ -117,3 +117,20 @@ def test_the_recomputation_probe_leaves_the_update_unchanged() -> None:
         grads.append([p.grad.clone() for p in model.parameters()])
         assert (probe.largest_bytes > 0) == active
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_blocks_inside_other_blocks_are_left_to_the_outer_checkpoint() -> None:
+    import torch.nn as nn
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+    model = Model()
+    assert checkpoint_blocks(tiny_gpt(), model) == list(model.layers)  # not the six experts too

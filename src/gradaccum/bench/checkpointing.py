@@ -5,7 +5,8 @@ the forward keeps only the block's inputs, and the backward recomputes the block
 RNG state, so dropout draws the same masks) before computing its gradient. The blocks are the
 workload's own when it declares them (``Workload.extras["checkpoint_blocks"]``, a function of the
 model returning the modules), else the members of every ``nn.ModuleList``
-(:func:`gradaccum.distributed.wrap.repeated_blocks`: a transformer's layers).
+(:func:`gradaccum.distributed.wrap.repeated_blocks`: a transformer's layers) that no other block
+contains.
 
 Each block's ``forward`` is replaced on the instance, so module paths, parameter names and order,
 and FSDP2's units (``fully_shard`` of each block) stay what they are without checkpointing; the
@@ -72,7 +73,7 @@ def checkpoint_blocks(workload: Workload, model: nn.Module) -> list[nn.Module]:
         if stray:
             raise BenchError(f"workload {workload.name!r}: extras[{DECLARED!r}] returned non-modules {stray}")
     else:
-        blocks = repeated_blocks(model)
+        blocks = _outermost(repeated_blocks(model))
     if not blocks:
         raise BenchError(
             f"workload {workload.name!r} has no repeated blocks to checkpoint (no nn.ModuleList in "
@@ -80,6 +81,13 @@ def checkpoint_blocks(workload: Workload, model: nn.Module) -> list[nn.Module]:
             "[...], or leave checkpointing out (--checkpointing none)"
         )
     return blocks
+
+
+def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
+    """``blocks`` without those inside another one (a mixture-of-experts layer's ``ModuleList`` of
+    experts within a transformer block): checkpointing the outer block already recomputes them."""
+    inner = {id(m) for b in blocks for m in b.modules() if m is not b}
+    return [b for b in blocks if id(b) not in inner]
 
 
 class RecomputeProbe:
