@@ -6,6 +6,7 @@ working directory (``python -m`` puts it on ``sys.path``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -108,3 +109,49 @@ def mean_mlp() -> Workload:
         count_fn=models.count_rows,
         unit="examples",
     )
+
+
+def dropout_gpt() -> Workload:
+    """The bundled tiny GPT with dropout 0.1 in every block: checkpointing must redraw the same masks."""
+    from gradaccum.examples import build_tiny_gpt, tiny_gpt
+
+    return dataclasses.replace(
+        tiny_gpt(), name="dropout_gpt", build_model=lambda: build_tiny_gpt(dropout=0.1)
+    )
+
+
+def bn_declared() -> Workload:
+    """The bundled BatchNorm CNN (no ``nn.ModuleList``) declaring its residual stage as the block."""
+    from gradaccum.examples import bn_cnn
+
+    workload = bn_cnn()
+    return dataclasses.replace(workload, extras={"checkpoint_blocks": lambda model: [model.layer1]})
+
+
+class _Drifting(nn.Module):
+    """A block whose output changes from one call to the next: a recomputation sees other values."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.block(x) * (1.0 + 0.01 * self.calls)
+
+
+def _drifting_gpt() -> nn.Module:
+    from gradaccum.examples import build_tiny_gpt
+
+    model = build_tiny_gpt()
+    model.blocks = nn.ModuleList(_Drifting(b) for b in model.blocks)
+    return model
+
+
+def drifting_gpt() -> Workload:
+    """The tiny GPT with blocks that are not functions of their input: checkpointing changes them,
+    so the float64 check must fail (its negative control)."""
+    from gradaccum.examples import tiny_gpt
+
+    return dataclasses.replace(tiny_gpt(), name="drifting_gpt", build_model=_drifting_gpt)

@@ -22,6 +22,10 @@ CONFIG_FIELDS = {
     "peak_rss_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "gradient_bytes",
     "allreduce_calls_per_update", "allreduce_bytes_per_update", "buckets", "per_run_units_per_s",
     "fresh_process", "memory",
+    # issue 15: the row's dimensions and FSDP2's collectives
+    "row_label", "checkpointing", "sharding", "defer_sync", "allgather_calls_per_update",
+    "allgather_bytes_per_update", "reduce_scatter_calls_per_update", "reduce_scatter_bytes_per_update",
+    "reduce_scatter_bytes_per_sync", "comm_bytes_per_update",
 }  # fmt: skip
 
 
@@ -45,7 +49,8 @@ def test_bench_sweeps_every_factorization_with_every_figure(
         ["--global-batch", "2", "--memory-budget", "4GiB", "--out-dir", str(tmp_path), *FAST], capsys
     )
     (folder,) = tmp_path.iterdir()
-    assert {p.name for p in folder.iterdir()} == {"results.json", "report.md", "throughput.png", "memory.png"}
+    files = {"results.json", "report.md", "throughput.png", "memory.png", "runcard.json"}
+    assert {p.name for p in folder.iterdir()} == files  # the budget's advised row has its card
     configs = data["configs"]
     assert [c["label"] for c in configs] == ["2x1", "1x2"]
     want = expected_tokens(2)
@@ -104,3 +109,82 @@ def test_bench_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "global batch 8" in capsys.readouterr().err
     assert main(["bench", "--memory-budget", "lots"]) == 2
     assert "memory size" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_checkpointing_is_a_dimension_and_the_budget_is_advised_with_a_run_card(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the tensors' peak at 4x2: ~0.9 MiB plainly, ~0.6 MiB checkpointed; 800 KiB admits one of them
+    args = [
+        "--global-batch",
+        "8",
+        "--configs",
+        "4x2",
+        "--checkpointing",
+        "none,full",
+        "--memory-budget",
+        "800KiB",
+    ]
+    data = sweep([*args, "--out-dir", str(tmp_path), *FAST], capsys)
+    (folder,) = tmp_path.iterdir()
+    plain, ckpt = data["configs"]
+    assert (plain["row_label"], ckpt["row_label"]) == ("4x2", "4x2 ckpt")
+    assert (plain["checkpointing"], ckpt["checkpointing"]) == ("none", "full")
+    for c in (plain, ckpt):
+        assert c["status"] == "ok" and c["tokens_per_update"] == expected_tokens(8)
+        assert c["sharding"] == "none" and c["units_per_s"]["median"] > 0
+    pm, cm = plain["memory"], ckpt["memory"]
+    assert cm["activation_bytes"] < pm["activation_bytes"]  # at the same micro-batch
+    assert cm["recompute_bytes"] > 0 and pm["recompute_bytes"] == 0
+    assert cm["activation_bytes"] == cm["saved_bytes"] + cm["recompute_bytes"]
+    assert cm["persistent_bytes"] == pm["persistent_bytes"]
+    assert cm["tensor_peak_bytes"] <= 800 * 1024 < pm["tensor_peak_bytes"]
+    # the memory model fits the plain row only (checkpointing changes the line)
+    assert data["memory_model"]["points"] == 1
+    assert data["checkpointing_check"]["passed"] and data["checkpointing_check"]["grad_max_rel_err"] <= 1e-12
+    advice = data["advice"]
+    assert advice["outcome"] == "fits" and advice["fitting"] == ["4x2 ckpt"]
+    assert advice["sentence"].startswith(
+        "micro-batch 4 with checkpointing (4x2) is the only measured configuration within 800.0 KiB"
+    )
+    card = json.loads((folder / "runcard.json").read_text())
+    assert (card["micro_batch"], card["accum_steps"], card["dp"]) == (4, 2, 1)
+    assert card["extra"]["advice"] == advice["sentence"] == data["runcard"]["extra"]["advice"]
+    assert card["extra"]["checkpointing"] == "full"
+    report = (folder / "report.md").read_text()
+    assert "## Advice" in report and advice["sentence"] in report
+    assert "## Activation checkpointing" in report and "PASS" in report
+
+
+def test_checkpointing_a_workload_without_blocks_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["bench", "--workload", "gradaccum.examples:bn_cnn", "--checkpointing", "full", "--no-progress"]
+    )
+    assert code == 2
+    assert "no repeated blocks to checkpoint" in capsys.readouterr().err
+    assert main(["bench", "--sharding", "fsdp2", "--no-progress"]) == 2  # one rank: nothing to shard
+    assert "needs data parallelism" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_rows_come_in_pairs_with_deferral_on_and_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--dp", "2", "--global-batch", "8", "--configs", "2x2", "--sharding", "fsdp2"]
+    data = sweep([*args, "--out-dir", str(tmp_path), *FAST], capsys)
+    deferred, every = data["configs"]
+    assert (deferred["row_label"], every["row_label"]) == ("2x2x2 fsdp2", "2x2x2 fsdp2 no-defer")
+    for c in (deferred, every):
+        assert c["status"] == "ok", c["error"]
+        assert c["sharding"] == "fsdp2" and c["tokens_per_update"] == expected_tokens(8)
+    per_sync = deferred["reduce_scatter_bytes_per_sync"]
+    assert deferred["reduce_scatter_bytes_per_update"] == per_sync
+    assert every["reduce_scatter_bytes_per_update"] == 2 * per_sync  # k = 2
+    # deferral holds the whole unsharded gradient set on every rank; sync every micro-batch, a shard
+    assert deferred["memory"]["held_gradient_bytes"] == deferred["gradient_bytes"]
+    assert every["memory"]["held_gradient_bytes"] == every["memory"]["gradient_bytes"] < per_sync
+    assert all(m["matches"] for m in data["comm_model"])
+    (folder,) = tmp_path.iterdir()
+    assert "## FSDP2: sync deferral" in (folder / "report.md").read_text()

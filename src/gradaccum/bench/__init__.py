@@ -6,9 +6,19 @@ Needs torch alone; the PNG plots import matplotlib when they are drawn. The work
 
 from __future__ import annotations
 
-from gradaccum.bench.accept import AcceptResult, AcceptSpec, Equivalence, check_equivalence, run_accept
+from gradaccum.bench.accept import (
+    AcceptResult,
+    AcceptSpec,
+    Equivalence,
+    check_equivalence,
+    run_accept,
+    with_quality,
+)
+from gradaccum.bench.advisor import Advice, Row, advise
+from gradaccum.bench.checkpointing import CheckpointingCheck, apply_checkpointing, check_checkpointing
 from gradaccum.bench.measure import measure, measure_safely
 from gradaccum.bench.models import CommModel, MemoryModel, comm_model, fit_memory_model
+from gradaccum.bench.quality import QualityResult, QualitySpec, run_quality
 from gradaccum.bench.runfolder import new_run_folder, write_accept_folder, write_sweep_folder
 from gradaccum.bench.runner import Launch, run_isolated, run_joined
 from gradaccum.bench.spec import Measurement, MeasureSettings, MeasureSpec, RunRecord
@@ -20,8 +30,10 @@ from gradaccum.distributed.comm import CommCounter, count_allreduces
 __all__ = [
     "AcceptResult",
     "AcceptSpec",
+    "Advice",
     "ArmFigures",
     "BenchError",
+    "CheckpointingCheck",
     "CommCounter",
     "CommModel",
     "ConfigSummary",
@@ -34,12 +46,18 @@ __all__ = [
     "MemoryModel",
     "ParamCheck",
     "ProgressEvent",
+    "QualityResult",
+    "QualitySpec",
+    "Row",
     "RunRecord",
     "Spread",
     "SweepResult",
     "SweepSpec",
     "TraceCheck",
     "Verdict",
+    "advise",
+    "apply_checkpointing",
+    "check_checkpointing",
     "check_equivalence",
     "comm_model",
     "count_allreduces",
@@ -51,8 +69,10 @@ __all__ = [
     "run_accept",
     "run_isolated",
     "run_joined",
+    "run_quality",
     "run_sweep",
     "summarize",
+    "with_quality",
     "write_accept_folder",
     "write_sweep_folder",
 ]

@@ -11,7 +11,12 @@
 5. the adoption rule (:func:`gradaccum.bench.verdict.decide`): ADOPT, KEEP BASELINE or
    INCONCLUSIVE, from the paired block ratios and a confidence interval of the gain;
 6. a run card for the configuration to use, with every setting that changes the update, so that
-   ``train --runcard`` trains exactly what was verified and measured.
+   ``train --runcard`` trains exactly what was verified and measured;
+7. what the scan finds that the float64 check had to switch off or could not make exact
+   (BatchNorm, random layers, MoE statistics): the reasons a representative quality run is needed;
+   with ``quality_steps`` set, that run (:mod:`gradaccum.bench.quality`: both configurations trained
+   from several seeds, final evaluation loss compared), added by :func:`with_quality` after the
+   measurements, on one process.
 
 The checks (1, 2) run in this process with the workload imported here; the measurements (3, 4) go
 through a ``launch`` function, normally fresh worker processes.
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 from gradaccum.bench.models import CommModel, MemoryModel, comm_model, memory_model_of
+from gradaccum.bench.quality import MIN_SEEDS, QualityResult, QualitySpec, quality_reasons
 from gradaccum.bench.runner import Launch
 from gradaccum.bench.spec import MeasureSettings, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.bench.stats import ConfigSummary, summarize
@@ -57,6 +63,7 @@ __all__ = [
     "check_equivalence",
     "make_runcard",
     "run_accept",
+    "with_quality",
 ]
 
 ACCEPT_SETTINGS = MeasureSettings(runs=MIN_RUNS, steps=50, max_grad_norm=1.0)
@@ -95,6 +102,13 @@ class AcceptSpec:
     """The skip limit training will use (recorded in the run card; it does not change timing)."""
     memory_budget_bytes: int | None = None
     """Say which micro-batch fits this budget, or that nothing does (the persistent term)."""
+    quality_steps: int | None = None
+    """Train both configurations this many updates per seed and compare their final evaluation
+    loss (the representative quality run); ``None``: not run."""
+    quality_seeds: int = 3
+    """Seeds per configuration of the quality run (two or more: an interval needs them)."""
+    quality_eval_examples: int = 64
+    """Held-out examples of each quality run's final evaluation."""
 
     def __post_init__(self) -> None:
         b, c = self.baseline, self.candidate
@@ -135,7 +149,11 @@ class AcceptSpec:
                 f"block pairs per run give a confidence interval that rests on a handful of ratios; "
                 f"use --steps {least} or more (or a smaller --block-updates)"
             )
+        require_int("quality_steps", self.quality_steps, error=BenchError, none_ok=True)
+        require_int("quality_seeds", self.quality_seeds, low=MIN_SEEDS, error=BenchError)
+        require_int("quality_eval_examples", self.quality_eval_examples, error=BenchError)
         _ = self.accum  # a malformed skip limit is refused now
+        _ = self.quality_spec()  # and so is a quality run that cannot be set up
         self.measure_spec(self.baseline)  # a malformed workload is refused now, not after the checks
 
     @property
@@ -150,6 +168,24 @@ class AcceptSpec:
             max_grad_norm=self.settings.max_grad_norm,
             defer_sync=self.settings.defer_sync,
             max_consecutive_skips=self.max_consecutive_skips,
+        )
+
+    def quality_spec(self) -> QualitySpec | None:
+        """The quality run of both configurations with the measured settings; ``None`` if not asked for."""
+        if self.quality_steps is None:
+            return None
+        return QualitySpec(
+            workload=self.workload,
+            baseline=self.baseline,
+            candidate=self.candidate,
+            steps=self.quality_steps,
+            seeds=self.quality_seeds,
+            first_seed=self.settings.seed,
+            eval_examples=self.quality_eval_examples,
+            precision=self.settings.precision,
+            device=self.settings.device,
+            accum=self.accum,
+            threads=self.settings.threads,
         )
 
     def paired_spec(self) -> PairedSpec:
@@ -183,6 +219,9 @@ class AcceptSpec:
             data[name] = value
             if name == "warmup":
                 data["trace_steps"] = self.trace_steps  # where results.json has always had it
+        data["quality_steps"] = self.quality_steps
+        data["quality_seeds"] = self.quality_seeds
+        data["quality_eval_examples"] = self.quality_eval_examples
         return data
 
 
@@ -313,6 +352,11 @@ class AcceptResult:
     """The baseline's and the candidate's memory runs."""
     card: RunCard
     """The configuration to use (the candidate if adopted), with its environment."""
+    quality_reasons: tuple[str, ...] = ()
+    """What the scan found that the equivalence check had to switch off or could not make exact:
+    why a representative quality run is needed (empty: nothing found)."""
+    quality: QualityResult | None = None
+    """The quality run, when one was asked for (see :func:`with_quality`)."""
 
     @property
     def equivalence_passed(self) -> bool:
@@ -348,6 +392,8 @@ class AcceptResult:
             "runcard": self.card.to_dict(),
             "runs": [r.to_dict() for r in self.records],
             "memory_runs": [r.to_dict() for r in self.memory_records],
+            "quality_reasons": list(self.quality_reasons),
+            "quality": None if self.quality is None else self.quality.to_dict(),
         }
 
 
@@ -487,4 +533,30 @@ def run_accept(
         records=tuple(records),
         memory_records=memory_records,
         card=make_runcard(spec, verdict, chosen, environment, workload.unit),
+        quality_reasons=quality_reasons(workload, (spec.baseline, spec.candidate)),
     )
+
+
+def with_quality(result: AcceptResult, quality: QualityResult) -> AcceptResult:
+    """``result`` with its quality run, which the run card also records (the means, intervals and
+    whether they differ), so that the card carries the evidence for the configuration it names."""
+    card = dataclasses.replace(
+        result.card,
+        extra={
+            **result.card.extra,
+            "quality": {
+                "summary": quality.describe(),
+                "differ": quality.differ,
+                "baseline_eval_loss": [quality.baseline.mean, quality.baseline.low, quality.baseline.high],
+                "candidate_eval_loss": [
+                    quality.candidate.mean,
+                    quality.candidate.low,
+                    quality.candidate.high,
+                ],
+                "difference": [quality.difference, quality.difference_low, quality.difference_high],
+                "steps": quality.spec.steps,
+                "seeds": list(quality.baseline.seeds),
+            },
+        },
+    )
+    return dataclasses.replace(result, quality=quality, card=card)

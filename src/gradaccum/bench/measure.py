@@ -5,14 +5,18 @@ per-phase figures come from the same step a user runs, not from a copy of its lo
 clock read is preceded by a device synchronize (kernels are asynchronous; without it the clock
 measures launch time), and peak memory is reset at the start of each update. Under an initialized
 process group the model is wrapped in DDP with a counting comm hook, and the ranks' figures are
-combined (slowest step, largest peak) so that every rank returns the same figures.
+combined (slowest step, largest peak) so that every rank returns the same figures. With
+``spec.fsdp`` the model is sharded with FSDP2 instead, its all-gathers and reduce-scatters counted
+through FSDP2's custom-collective hooks; with ``spec.checkpointing`` its repeated blocks run under
+activation checkpointing (:mod:`gradaccum.bench.checkpointing`).
 
 Two ways to measure: :func:`measure` runs one configuration (the sweep's unit: one run in a fresh
 process); :func:`measure_paired` holds two configurations in one process and alternates them in
 short blocks of updates, baseline-candidate then candidate-baseline (ABBA), so that drift in the
 machine's speed (a neighbour's job, frequency scaling) lands on both arms of every pair alike.
-The first warm-up update of each configuration counts the bytes its forwards save for backward;
-the timed updates run without those hooks.
+The first warm-up update of each configuration counts the bytes its forwards save for backward
+(and, with checkpointing, what each block's recomputation holds) and the gradient bytes held at
+every micro-batch boundary; the timed updates run without those hooks.
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum import precision
 from gradaccum.batch import Batch, cast, split, take
-from gradaccum.bench.memory import MemoryFigures, persistent_bytes, saved_bytes
+from gradaccum.bench.checkpointing import RecomputeProbe, apply_checkpointing, checkpoint_blocks
+from gradaccum.bench.memory import GradientCensus, MemoryFigures, persistent_bytes, saved_bytes
 from gradaccum.bench.spec import Measurement, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.check.workload import Workload
 from gradaccum.distributed import dist
-from gradaccum.distributed.comm import CommCounter, count_allreduces
-from gradaccum.distributed.wrap import wrap_model
+from gradaccum.distributed.comm import CommCounter, Fsdp2CommCounter, count_allreduces, count_fsdp2_comms
+from gradaccum.distributed.wrap import fsdp2_units, wrap_model
 from gradaccum.errors import BenchError
 from gradaccum.step.accumulator import Accumulator
 
@@ -65,6 +70,8 @@ class _Clock:
         self.cuda = device.type == "cuda"
         self.device = device
         self.marks: dict[tuple[str, int], float] = {}
+        self.listener: Callable[[str, int], None] | None = None
+        """Called after each mark while set (the counted warm-up update's gradient census)."""
 
     def now(self) -> float:
         if self.cuda:
@@ -74,6 +81,8 @@ class _Clock:
     def __call__(self, event: str, index: int) -> None:
         key = (event, 0 if event == "window_start" else index)
         self.marks[key] = self.now()
+        if self.listener is not None:
+            self.listener(event, index)
 
     def phases(self, k: int) -> tuple[float | None, list[float], float | None]:
         """(count ms, per-micro-batch ms, optimizer ms) of the update just run."""
@@ -106,6 +115,10 @@ class _Update:
     sent: int | None
     allocated: int
     reserved: int
+    gathers: tuple[int, int] | None = None
+    """FSDP2: (all-gather calls, bytes) of this update."""
+    scatters: tuple[int, int] | None = None
+    """FSDP2: (reduce-scatter calls, bytes) of this update."""
 
 
 def _median(values: list[float]) -> float:
@@ -130,10 +143,17 @@ class _Arm:
         torch.manual_seed(spec.seed)
         base = workload.build_model().to(device=device, dtype=self.param_dtype)
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-        self.model: nn.Module = wrap_model(base, device, bucket_cap_mb=spec.bucket_cap_mb)
+        self.probe: RecomputeProbe | None = None
+        if spec.checkpointing != "none":
+            self.probe = RecomputeProbe()
+            apply_checkpointing(checkpoint_blocks(workload, base), self.probe)
+        self.model: nn.Module = wrap_model(base, device, fsdp=spec.fsdp, bucket_cap_mb=spec.bucket_cap_mb)
         self.counter: CommCounter | None = None
         if isinstance(self.model, DistributedDataParallel):
             self.counter = count_allreduces(self.model)
+        self.fsdp_counter: Fsdp2CommCounter | None = (
+            count_fsdp2_comms(fsdp2_units(self.model)) if spec.fsdp else None
+        )
         self.optimizer = workload.optimizer_factory(self.model.parameters())
         self.clock = _Clock(device)
         self.acc = Accumulator(
@@ -146,7 +166,10 @@ class _Arm:
         )
         self.loss_fn = precision.autocast_loss(workload.loss_fn, spec.precision, device)
         self.buckets: int | None = None
+        self.scatter_bytes_per_sync: int | None = None
         self.activation_bytes = 0
+        self.recompute_bytes = 0
+        self.held_gradient_bytes = 0
         self.next_update = 0
 
     def window(self, update: int) -> list[Batch]:
@@ -159,33 +182,65 @@ class _Arm:
 
     def warm_up(self) -> None:
         """``spec.warmup`` unmeasured updates (allocator, caches, DDP's bucket rebuild, the rank
-        check); the first one counts the bytes each micro-batch saves for backward."""
-        saved: list[int] = []
-
-        def counted_loss(model: nn.Module, micro_batch: Any) -> torch.Tensor:
-            with saved_bytes(model) as counter:
-                loss = self.loss_fn(model, micro_batch)
-            saved.append(counter.bytes)
-            return loss
-
-        for u in range(self.spec.warmup):
-            loss_fn = counted_loss if u == 0 else self.loss_fn
-            self.acc.step(self.window(u), loss_fn, self.workload.count_fn)
-        if not saved:  # no warm-up asked for: count on one more unmeasured update
-            self.acc.step(self.window(0), counted_loss, self.workload.count_fn)
-        self.activation_bytes = max(saved)
+        check); the first one counts the memory (:meth:`_counted_update`)."""
+        self._counted_update(0)
+        for u in range(1, self.spec.warmup):
+            self.acc.step(self.window(u), self.loss_fn, self.workload.count_fn)
         if self.counter is not None:
             # one plain synchronized backward: DDP all-reduces each bucket once
             self.counter.reset()
             (self.loss_fn(self.model, self.window(0)[0]) * 0).backward()
             self.buckets = self.counter.calls
             self.optimizer.zero_grad(set_to_none=True)
+        if self.fsdp_counter is not None:
+            # likewise: one synchronizing backward reduce-scatters the (padded) gradient set once
+            self.fsdp_counter.reset()
+            (self.loss_fn(self.model, self.window(0)[0]) * 0).backward()
+            self.scatter_bytes_per_sync = self.fsdp_counter.reduce_scatter_bytes
+            self.optimizer.zero_grad(set_to_none=True)
         self.next_update = self.spec.warmup
+
+    def _counted_update(self, update: int) -> None:
+        """One unmeasured update that counts the memory: the bytes each forward saves for backward,
+        what each checkpointed block's recomputation holds, and the gradient bytes held at every
+        micro-batch boundary. (With no warm-up asked for, it is one extra update of window 0, which
+        the measured updates then start with again.)"""
+        saved: list[int] = []
+        held: list[int] = []
+        census = GradientCensus(self.model)
+        probe = self.probe
+
+        def counted_loss(model: nn.Module, micro_batch: Any) -> torch.Tensor:
+            if probe is not None:
+                probe.active = True
+            try:
+                with saved_bytes(model) as counter:
+                    loss = self.loss_fn(model, micro_batch)
+            finally:
+                if probe is not None:
+                    probe.active = False
+            saved.append(counter.bytes)
+            return loss
+
+        def at_boundary(event: str, index: int) -> None:
+            if event == "micro_end":
+                held.append(census.held_bytes())
+
+        self.clock.listener = at_boundary
+        try:
+            with census.watching():
+                self.acc.step(self.window(update), counted_loss, self.workload.count_fn)
+        finally:
+            self.clock.listener = None
+        self.recompute_bytes = probe.largest_bytes if probe is not None else 0
+        self.activation_bytes = max(saved) + self.recompute_bytes
+        self.held_gradient_bytes = max(held, default=0)
 
     def run(self, updates: int) -> list[_Update]:
         """The next ``updates`` timed updates."""
         out = []
         k, device, clock, counter = self.spec.accum_steps, self.device, self.clock, self.counter
+        fsdp = self.fsdp_counter
         for u in range(self.next_update, self.next_update + updates):
             micro_batches = self.window(u)
             if device.type == "cuda":
@@ -193,6 +248,8 @@ class _Arm:
                 torch.cuda.reset_peak_memory_stats(device)
             if counter is not None:
                 counter.reset()
+            if fsdp is not None:
+                fsdp.reset()
             clock.marks.clear()
             start = clock.now()
             result = self.acc.step(micro_batches, self.loss_fn, self.workload.count_fn)
@@ -210,6 +267,8 @@ class _Arm:
                     sent=None if counter is None else counter.bytes,
                     allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
                     reserved=torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0,
+                    gathers=None if fsdp is None else (fsdp.allgather_calls, fsdp.allgather_bytes),
+                    scatters=None if fsdp is None else (fsdp.reduce_scatter_calls, fsdp.reduce_scatter_bytes),
                 )
             )
         self.next_update += updates
@@ -239,7 +298,11 @@ class _Arm:
             "peak_reserved": max((up.reserved for up in updates), default=0),
             "calls": max((up.calls for up in updates if up.calls is not None), default=None),
             "bytes": max((up.sent for up in updates if up.sent is not None), default=None),
+            "gathers": max((up.gathers for up in updates if up.gathers is not None), default=None),
+            "scatters": max((up.scatters for up in updates if up.scatters is not None), default=None),
             "memory": (param, grad, state, self.activation_bytes),
+            "recompute": self.recompute_bytes,
+            "held": self.held_gradient_bytes,
         }
         everyone = dist.all_gather_objects(mine)
         # the slowest rank bounds every update; memory is the largest rank's
@@ -251,7 +314,10 @@ class _Arm:
 
         tokens = [up.tokens for up in updates]
         total_s = sum(steps) / 1e3
-        worst_memory = max(everyone, key=lambda r: sum(r["memory"]))["memory"]
+        worst = max(everyone, key=lambda r: sum(r["memory"]))
+        worst_memory = worst["memory"]
+        gathers = worst["gathers"] if self.fsdp_counter is not None else None
+        scatters = worst["scatters"] if self.fsdp_counter is not None else None
         return Measurement(
             spec=self.spec,
             unit=self.workload.unit,
@@ -282,7 +348,14 @@ class _Arm:
                 activation_bytes=int(worst_memory[3]),
                 max_allocated_bytes=int(max(r["peak_alloc"] for r in everyone)) if cuda else None,
                 max_reserved_bytes=int(max(r["peak_reserved"] for r in everyone)) if cuda else None,
+                recompute_bytes=int(worst["recompute"]),
+                held_gradient_bytes=int(max(r["held"] for r in everyone)),
             ),
+            allgather_calls_per_update=None if gathers is None else int(gathers[0]),
+            allgather_bytes_per_update=None if gathers is None else int(gathers[1]),
+            reduce_scatter_calls_per_update=None if scatters is None else int(scatters[0]),
+            reduce_scatter_bytes_per_update=None if scatters is None else int(scatters[1]),
+            reduce_scatter_bytes_per_sync=self.scatter_bytes_per_sync,
         )
 
 

@@ -26,16 +26,28 @@ from gradaccum.plan import factorizations
 if TYPE_CHECKING:
     from gradaccum.bench.stats import ConfigSummary
 
-__all__ = ["CommModel", "MemoryModel", "comm_model", "fit_memory_model", "memory_model_of"]
+__all__ = [
+    "CommModel",
+    "MemoryModel",
+    "comm_model",
+    "fit_memory_model",
+    "fmt_size",
+    "memory_model_of",
+    "persistent_wall",
+]
 
 MIB = 1024**2
 
 
-def _fmt(value: float) -> str:
+def fmt_size(value: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1, e.g. ``6.0 GiB``."""
     for unit, size in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
         if abs(value) >= size:
             return f"{value / size:.1f} {unit}"
     return f"{value:.0f} B"
+
+
+_fmt = fmt_size
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,13 +83,9 @@ class MemoryModel:
 
     def advice(self, budget_bytes: float, *, global_batch: int, dp: int) -> str:
         """One sentence, with the figures: which factorization fits, or why none can."""
-        if self.persistent_bytes > budget_bytes:
-            return (
-                f"the persistent state alone ({_fmt(self.persistent_bytes)}: parameters, gradients and "
-                f"optimizer state) exceeds the budget of {_fmt(budget_bytes)}: neither a smaller "
-                "micro-batch nor more accumulation can fix that, since they shrink only the activations; "
-                "shard the state (FSDP2, ZeRO) or use a lighter optimizer (SGD, 8-bit or factored Adam)"
-            )
+        wall = persistent_wall(self.persistent_bytes, budget_bytes)
+        if wall is not None:
+            return wall
         largest = self.largest_micro_batch(budget_bytes)
         if largest is None:
             return (
@@ -98,6 +106,27 @@ class MemoryModel:
             f"global batch {global_batch} that fits is {best.label()} "
             f"({_fmt(self.predict(best.micro_batch))} predicted)"
         )
+
+
+def persistent_wall(
+    persistent_bytes: float, budget_bytes: float, *, sharded_dp: int | None = None
+) -> str | None:
+    """The sentence for a persistent term that alone exceeds ``budget_bytes``; ``None`` when it fits.
+
+    Accumulation, a smaller micro-batch and activation checkpointing all shrink the activations
+    only, so none of them can help: the state must be sharded (over more ranks, if it already is,
+    ``sharded_dp`` ranks) or made lighter.
+    """
+    if persistent_bytes <= budget_bytes:
+        return None
+    where = "" if sharded_dp is None else f" per rank, already sharded over {sharded_dp} ranks with FSDP2"
+    shard = "shard it over more ranks" if sharded_dp is not None else "shard the state (FSDP2, ZeRO)"
+    return (
+        f"the persistent state alone ({_fmt(persistent_bytes)}{where}: parameters, gradients and "
+        f"optimizer state) exceeds the budget of {_fmt(budget_bytes)}: neither a smaller micro-batch nor "
+        "more accumulation can fix that, nor can activation checkpointing, since they shrink only the "
+        f"activations; {shard} or use a lighter optimizer (SGD, 8-bit or factored Adam)"
+    )
 
 
 def fit_memory_model(
@@ -137,8 +166,15 @@ def fit_memory_model(
 
 
 def memory_model_of(configs: Sequence[ConfigSummary]) -> MemoryModel | None:
-    """The memory model of the configurations that measured their memory (None if none did)."""
-    measured = [c for c in configs if c.memory is not None]
+    """The memory model of the plain configurations that measured their memory (None if none did).
+
+    Plain: no activation checkpointing and no FSDP2, whose rows follow other lines (checkpointing
+    changes the activation slope, sharding the persistent term); the advisor
+    (:mod:`gradaccum.bench.advisor`) compares those rows by their measured figures instead.
+    """
+    measured = [
+        c for c in configs if c.memory is not None and c.spec.checkpointing == "none" and not c.spec.fsdp
+    ]
     if not measured:
         return None
     return fit_memory_model(

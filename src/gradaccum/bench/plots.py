@@ -30,19 +30,30 @@ def _figure() -> Any:
     return Figure(figsize=(6.4, 4.0), layout="constrained")
 
 
+def _kind(c: ConfigSummary) -> str:
+    """What a row changes besides the factorization: one plotted series per kind."""
+    parts = c.spec.row_label.split(" ")[1:]
+    return " ".join(parts) if parts else "plain"
+
+
 def _throughput(ax: Any, configs: Sequence[ConfigSummary]) -> None:
     done = [c for c in configs if c.ok and c.units_per_s is not None]
     failed = [c for c in configs if not c.ok]
-    if done:
-        xs = [c.spec.micro_batch for c in done]
-        med = [c.units_per_s.median for c in done if c.units_per_s]
-        low = [c.units_per_s.median - c.units_per_s.low for c in done if c.units_per_s]
-        high = [c.units_per_s.high - c.units_per_s.median for c in done if c.units_per_s]
-        ax.errorbar(xs, med, yerr=[low, high], marker="o", capsize=4, label="median (min..max of runs)")
-        for c, y in zip(done, med, strict=True):
+    kinds = list(dict.fromkeys(_kind(c) for c in done))
+    for kind in kinds:
+        series = sorted((c for c in done if _kind(c) == kind), key=lambda c: c.spec.micro_batch)
+        xs = [c.spec.micro_batch for c in series]
+        med = [c.units_per_s.median for c in series if c.units_per_s]
+        low = [c.units_per_s.median - c.units_per_s.low for c in series if c.units_per_s]
+        high = [c.units_per_s.high - c.units_per_s.median for c in series if c.units_per_s]
+        name = "median (min..max of runs)" if kinds == ["plain"] else f"{kind}: median (min..max)"
+        ax.errorbar(xs, med, yerr=[low, high], marker="o", capsize=4, label=name)
+        for c, y in zip(series, med, strict=True):
             ax.annotate(c.spec.label, (c.spec.micro_batch, y), textcoords="offset points", xytext=(4, 4))
     for c in failed:
-        ax.axvline(c.spec.micro_batch, color="tab:red", linestyle=":", label=f"{c.spec.label}: {c.status}")
+        ax.axvline(
+            c.spec.micro_batch, color="tab:red", linestyle=":", label=f"{c.spec.row_label}: {c.status}"
+        )
     unit = configs[0].unit if configs else "tokens"
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batch (examples per forward, per replica)")
@@ -62,7 +73,7 @@ def _memory_bars(ax: Any, labels: list[str], configs: Sequence[ConfigSummary], b
         activation,
         bottom=persistent,
         color="tab:orange",
-        label="activations: saved for backward, one micro-batch",
+        label="activations: saved for backward (+ recomputed block), one micro-batch",
     )
     top = max([p + a for p, a in zip(persistent, activation, strict=True)] + [0.0])
     for x, p, a in zip(xs, persistent, activation, strict=True):
@@ -100,7 +111,7 @@ def plot_sweep(result: SweepResult, folder: str | Path) -> list[Path]:
     fig = _figure()
     ax = fig.subplots()
     done = [c for c in configs if c.ok]
-    _memory_bars(ax, [c.spec.label for c in done], done, result.spec.memory_budget_bytes)
+    _memory_bars(ax, [c.spec.row_label for c in done], done, result.spec.memory_budget_bytes)
     ax.set_title(f"memory per configuration at global batch {gb}")
     paths.append(out / "memory.png")
     fig.savefig(paths[1], dpi=120)

@@ -6,10 +6,11 @@ The table builders return plain headers and rows of strings; the CLI renders the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gradaccum.bench.accept import AcceptResult
 from gradaccum.bench.models import CommModel, MemoryModel
+from gradaccum.bench.quality import QualityResult
 from gradaccum.bench.stats import ConfigSummary
 from gradaccum.bench.sweep import SweepResult
 
@@ -17,7 +18,11 @@ __all__ = [
     "accept_markdown",
     "comm_rows",
     "fmt_bytes",
+    "fsdp2_rows",
+    "memory_predictions",
     "memory_rows",
+    "quality_lines",
+    "quality_table",
     "sweep_markdown",
     "time_rows",
     "verdict_rows",
@@ -66,7 +71,7 @@ def time_rows(configs: Sequence[ConfigSummary]) -> Table:
         u = c.units_per_s
         rows.append(
             [
-                c.spec.label,
+                c.spec.row_label,
                 _status(c),
                 "-" if u is None else f"{u.median:,.0f}",
                 "-" if u is None else f"{u.low:,.0f}..{u.high:,.0f} ({u.relative:.0%})",
@@ -80,12 +85,27 @@ def time_rows(configs: Sequence[ConfigSummary]) -> Table:
     return headers, rows
 
 
+def memory_predictions(result: SweepResult) -> list[float | None]:
+    """The plain memory model's prediction per row; ``None`` where it does not apply (rows with
+    checkpointing or FSDP2 follow other lines) or no model was fitted."""
+    mm = result.memory_model
+    return [
+        None
+        if mm is None or c.spec.checkpointing != "none" or c.spec.fsdp
+        else mm.predict(c.spec.micro_batch)
+        for c in result.configs
+    ]
+
+
 def memory_rows(configs: Sequence[ConfigSummary], predictions: Sequence[float | None] | None = None) -> Table:
-    """Memory from the tensors (persistent, activation), CUDA's peaks, peak RSS and all-reduces."""
+    """Memory from the tensors (persistent, activation, gradients held), CUDA's peaks, peak RSS and
+    all-reduces."""
     headers = [
         "config",
         "persistent",
         "activations / micro-batch",
+        "of which recomputed",
+        "gradients held (window)",
         "CUDA max allocated",
         "CUDA max reserved",
         "peak RSS (process)",
@@ -93,14 +113,16 @@ def memory_rows(configs: Sequence[ConfigSummary], predictions: Sequence[float | 
         "all-reduced/upd",
     ]
     if predictions is not None:
-        headers.insert(3, "model predicts")
+        headers.insert(5, "model predicts")
     rows = []
     for i, c in enumerate(configs):
         m = c.memory
         row = [
-            c.spec.label,
+            c.spec.row_label,
             fmt_bytes(None if m is None else m.persistent_bytes),
             fmt_bytes(None if m is None else m.activation_bytes),
+            "-" if m is None or c.spec.checkpointing == "none" else fmt_bytes(m.recompute_bytes),
+            fmt_bytes(None if m is None else m.held_gradient_bytes),
             fmt_bytes(c.peak_allocated_bytes),
             fmt_bytes(c.peak_reserved_bytes),
             fmt_bytes(c.peak_rss_bytes),
@@ -108,8 +130,51 @@ def memory_rows(configs: Sequence[ConfigSummary], predictions: Sequence[float | 
             fmt_bytes(c.allreduce_bytes_per_update),
         ]
         if predictions is not None:
-            row.insert(3, fmt_bytes(predictions[i]))
+            row.insert(5, fmt_bytes(predictions[i]))
         rows.append(row)
+    return headers, rows
+
+
+def fsdp2_rows(configs: Sequence[ConfigSummary]) -> Table:
+    """FSDP2 rows side by side, sync deferred against sync on every micro-batch: what deferral
+    saves in communication and costs in gradient memory per rank."""
+    headers = [
+        "config",
+        "persistent/rank",
+        "reduce-scattered/upd: deferred | every",
+        "all-gathered/upd: deferred | every",
+        "gradients held/rank: deferred | every",
+        "units/s: deferred | every",
+    ]
+    pairs: dict[tuple[str, str], dict[bool, ConfigSummary]] = {}
+    for c in configs:
+        if c.spec.fsdp:
+            pairs.setdefault((c.spec.label, c.spec.checkpointing), {})[c.spec.defer_sync] = c
+    rows = []
+    for (label, mode), both in pairs.items():
+        on, off = both.get(True), both.get(False)
+
+        def pair(
+            get: Callable[[ConfigSummary], str],
+            on: ConfigSummary | None = on,
+            off: ConfigSummary | None = off,
+        ) -> str:
+            return " | ".join("-" if c is None or not c.ok else get(c) for c in (on, off))
+
+        first = on or off
+        persistent = first.memory.persistent_bytes if first is not None and first.memory else None
+        rows.append(
+            [
+                label + (" ckpt" if mode != "none" else ""),
+                fmt_bytes(persistent),
+                pair(lambda c: fmt_bytes(c.reduce_scatter_bytes_per_update)),
+                pair(lambda c: fmt_bytes(c.allgather_bytes_per_update)),
+                pair(lambda c: fmt_bytes(None if c.memory is None else c.memory.held_gradient_bytes)),
+                pair(lambda c: "-" if c.units_per_s is None else f"{c.units_per_s.median:,.0f}"),
+            ]
+        )
+    if configs:
+        headers[-1] = f"{configs[0].unit}/s: deferred | every"
     return headers, rows
 
 
@@ -128,12 +193,12 @@ def comm_rows(configs: Sequence[ConfigSummary], models: Sequence[CommModel | Non
     rows = []
     for c, m in zip(configs, models, strict=True):
         if m is None:
-            rows.append([c.spec.label, str(c.spec.accum_steps), "-", "-", "-", "-", "-", "-"])
+            rows.append([c.spec.row_label, str(c.spec.accum_steps), "-", "-", "-", "-", "-", "-"])
             continue
         matches = m.matches
         rows.append(
             [
-                c.spec.label,
+                c.spec.row_label,
                 str(m.accum_steps),
                 fmt_bytes(m.gradient_bytes),
                 fmt_bytes(m.naive_bytes),
@@ -179,14 +244,17 @@ def sweep_markdown(result: SweepResult) -> str:
     spec, settings = result.spec, result.spec.settings
     first = result.configs[0] if result.configs else None
     ok = [c for c in result.configs if c.ok]
-    predictions = [
-        None if result.memory_model is None else result.memory_model.predict(c.spec.micro_batch)
-        for c in result.configs
-    ]
+    predictions = memory_predictions(result)
     lines = [
         f"# gradaccum bench: {spec.workload} at global batch {spec.global_batch}",
         "",
         f"- global batch = micro-batch x dp {spec.dp} x accumulation = {spec.global_batch} for every row",
+        f"- activation checkpointing: {', '.join(spec.checkpointing)}; sharding: {', '.join(spec.sharding)}"
+        + (
+            "; FSDP2 rows with sync deferred and on every micro-batch (`no-defer`)"
+            if "fsdp2" in spec.sharding
+            else ""
+        ),
         f"- precision {settings.precision}, device {settings.device}, gradient sync "
         f"{'deferred to the last micro-batch' if settings.defer_sync else 'on every micro-batch (naive)'}",
         f"- {settings.runs} runs per configuration, interleaved; {settings.steps} measured updates per "
@@ -216,6 +284,41 @@ def sweep_markdown(result: SweepResult) -> str:
         "",
         *memory_lines(result.memory_model, result.memory_model_note, result.budget_advice),
         "",
+    ]
+    if result.advice is not None:
+        lines += [
+            "## Advice",
+            "",
+            f"Budget {fmt_bytes(result.advice.budget_bytes)} per rank: {result.advice.sentence}.",
+        ]
+        if result.card is not None:
+            lines.append(
+                f"`runcard.json` records {result.advice.chosen.label if result.advice.chosen else '-'} "
+                "(the plan, precision and accumulator settings `train --runcard` replays; checkpointing "
+                "and sharding in its `extra`)."
+            )
+        lines += [
+            "",
+            "The advisor compares the rows' measured figures: CUDA's max reserved over an update where "
+            "present, else the peak from the tensors (parameters + optimizer state + gradients held + one "
+            "micro-batch's activations), which leaves out the runtime and kernels' workspace.",
+            "",
+        ]
+    if "full" in spec.checkpointing:
+        lines += ["## Activation checkpointing", "", *checkpointing_lines(result), ""]
+    if any(c.spec.fsdp for c in result.configs):
+        lines += [
+            "## FSDP2: sync deferral",
+            "",
+            "Deferring sync reduce-scatters the gradients once per update instead of once per micro-batch, "
+            "but until the final micro-batch every rank holds the *unsharded* gradients (the whole set, "
+            "not 1/dp of it): memory traded back for communication. Gradients held are the most a rank "
+            "held at a micro-batch boundary; bytes are per rank and per update, padding included.",
+            "",
+            _markdown_table(fsdp2_rows(result.configs)),
+            "",
+        ]
+    lines += [
         "## Communication model",
         "",
     ]
@@ -233,6 +336,35 @@ def sweep_markdown(result: SweepResult) -> str:
         ]
         lines.append("")
     return "\n".join(lines)
+
+
+def checkpointing_lines(result: SweepResult) -> list[str]:
+    """How checkpointed rows were measured, and their float64 check."""
+    lines = [
+        "Checkpointed rows run each repeated block under non-reentrant `torch.utils.checkpoint`. Their "
+        "activation figure is what the forward keeps (the blocks' inputs, which the checkpoint saves "
+        "for the recomputation, and everything outside the blocks) plus the largest block's own saved "
+        "tensors, which its recomputation holds during that block's backward (the `of which "
+        "recomputed` column): a bound on the activations alive at once, not the forward's saving alone."
+    ]
+    check = result.checkpointing_check
+    if check is not None:
+        lines += ["", f"Checkpointed against plain, float64: {check.describe()}."]
+    plain = {c.spec.row_label: c for c in result.configs if c.ok and c.spec.checkpointing == "none"}
+    for c in result.configs:
+        if not c.ok or c.spec.checkpointing == "none" or c.memory is None or c.units_per_s is None:
+            continue
+        twin_label = c.spec.row_label.replace(" ckpt", "")
+        twin = plain.get(twin_label)
+        if twin is None or twin.memory is None or twin.units_per_s is None or not c.memory.activation_bytes:
+            continue
+        less = twin.memory.activation_bytes / c.memory.activation_bytes
+        lines.append(
+            f"- {c.spec.row_label}: activations {fmt_bytes(c.memory.activation_bytes)} against "
+            f"{fmt_bytes(twin.memory.activation_bytes)} without ({less:.2f}x less), at "
+            f"{c.units_per_s.median / twin.units_per_s.median:.2f}x the {c.unit}/s"
+        )
+    return lines
 
 
 def verdict_lines(result: AcceptResult) -> list[str]:
@@ -258,6 +390,86 @@ def verdict_lines(result: AcceptResult) -> list[str]:
             + " Until then keep the baseline; exit code 3 says so to a script."
         )
     lines += [f"Warning: {w}." for w in v.warnings]
+    return lines
+
+
+def quality_table(quality: QualityResult) -> Table:
+    """Each arm's final evaluation loss per seed, its mean and 95 % interval."""
+    seeds = quality.baseline.seeds
+    headers = ["arm", "plan", "trained as", *[f"seed {s}" for s in seeds], "mean", "95% interval"]
+    rows = []
+    for name, arm in (("baseline", quality.baseline), ("candidate", quality.candidate)):
+        rows.append(
+            [
+                name,
+                arm.label,
+                arm.trained,
+                *[f"{x:.4f}" for x in arm.eval_losses],
+                f"{arm.mean:.4f}",
+                f"[{arm.low:.4f}, {arm.high:.4f}]",
+            ]
+        )
+    rows.append(
+        [
+            "candidate - baseline",
+            "",
+            "",
+            *[f"{d:+.2e}" for d in quality.paired_differences],
+            f"{quality.difference:+.4f}",
+            f"[{quality.difference_low:+.4f}, {quality.difference_high:+.4f}] (Welch)",
+        ]
+    )
+    return headers, rows
+
+
+def quality_lines(result: AcceptResult) -> list[str]:
+    """Why a representative quality run is needed (what the scan found), and its result if it ran."""
+    spec, reasons, quality = result.spec, result.quality_reasons, result.quality
+    lines = []
+    if reasons:
+        lines.append(
+            "The equivalence check proves one update exact, but the scan found what it had to switch off "
+            "or could not make exact, so a change of micro-batch can change training beyond one update:"
+        )
+        lines += [f"- {r}" for r in reasons]
+        lines.append("")
+    else:
+        lines.append(
+            "Short equivalence checks cannot guarantee final convergence; a change of physical "
+            "micro-batch or of randomness still needs a representative quality run."
+        )
+    if quality is None:
+        ask = "**A representative quality run is needed**" if reasons else "To run one"
+        lines.append(
+            f"{ask}: `gradaccum accept --baseline {spec.baseline.label()} --candidate "
+            f"{spec.candidate.label()} --quality-steps N --seeds 3` trains both from each seed and "
+            "compares their final evaluation loss."
+        )
+        return lines
+    lines += [
+        " ".join(
+            [
+                f"Both configurations trained {quality.spec.steps} updates from each of",
+                f"{len(quality.baseline.seeds)} seeds through `gradaccum.train` with production settings",
+                f"(dropout on, BatchNorm as it is, precision {quality.spec.precision}, the measured",
+                "accumulator settings; train's AdamW and warmup + cosine), then evaluated on",
+                f"{quality.spec.eval_examples} held-out examples (mean loss over the counted",
+                f"{quality.unit}).",
+                "A seed picks the data, the dropout draws and the held-out examples, the same for both arms.",
+            ]
+        ),
+        "",
+        _markdown_table(quality_table(quality)),
+        "",
+        f"**{quality.describe()[0].upper() + quality.describe()[1:]}.**",
+        "",
+        "Intervals: each arm's mean +- t(0.975, S-1) s / sqrt(S) over its S seeds; the difference of the "
+        "means with a Welch interval (Welch-Satterthwaite degrees of freedom, rounded down). Welch "
+        "treats the arms as independent, which is conservative: both arms of a seed share its data. "
+        "The per-seed differences are shown, not used: arms exact in arithmetic differ per seed by "
+        "float rounding alone.",
+    ]
+    lines += [f"Note: {n}." for n in quality.notes]
     return lines
 
 
@@ -322,8 +534,9 @@ def accept_markdown(result: AcceptResult) -> str:
         f"- traces at {settings.precision} over {spec.trace_steps} updates: "
         f"{'PASS' if result.equivalence.trace.passed else 'FAIL'}: {result.equivalence.trace.figure}",
         "",
-        "Short equivalence checks cannot guarantee final convergence; a change of physical micro-batch "
-        "still needs a representative quality run.",
+        "## Quality run",
+        "",
+        *quality_lines(result),
         "",
         "## Files",
         "",

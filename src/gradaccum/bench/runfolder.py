@@ -47,12 +47,17 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_sweep_folder(result: SweepResult, folder: str | Path) -> list[Path]:
-    """``results.json``, ``report.md``, ``throughput.png``, ``memory.png``; returns the paths."""
+    """``results.json``, ``report.md``, ``throughput.png``, ``memory.png``, and with a memory budget
+    that a measured row fits, ``runcard.json`` of the advised row; returns the paths."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "results.json", result.to_dict())
     atomic_write_text(out / "report.md", sweep_markdown(result))
-    return [out / "results.json", out / "report.md", *plot_sweep(result, out)]
+    written = [out / "results.json", out / "report.md"]
+    if result.card is not None:
+        write_runcard(result.card, out / "runcard.json")
+        written.append(out / "runcard.json")
+    return [*written, *plot_sweep(result, out)]
 
 
 def write_accept_folder(result: AcceptResult, folder: str | Path) -> list[Path]:

@@ -29,6 +29,9 @@ __all__ = [
     "RunStatus",
 ]
 
+CHECKPOINTING = ("none", "full")
+"""Activation checkpointing modes (see :mod:`gradaccum.bench.checkpointing`)."""
+
 RESULT_PREFIX = "GRADACCUM_RESULT "
 """Marks the worker's result line on stdout, so that nothing a workload prints is mistaken for it."""
 
@@ -74,6 +77,12 @@ class MeasureSpec:
     """DDP's gradient bucket size in MiB; ``None`` keeps DDP's default (25)."""
     max_grad_norm: float | None = None
     """Clip each update's gradient to this norm, as training will (``None``: no clipping)."""
+    checkpointing: str = "none"
+    """``none``, or ``full``: every repeated block of the model under activation checkpointing
+    (see :mod:`gradaccum.bench.checkpointing`)."""
+    fsdp: bool = False
+    """Shard with FSDP2 ``fully_shard`` (each repeated block, then the root) instead of DDP;
+    needs ``dp`` > 1."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "dp"):
@@ -81,6 +90,15 @@ class MeasureSpec:
         _check_run_settings(self)
         if not isinstance(self.workload, str) or ":" not in self.workload:
             raise BenchError(f"workload must be MODULE:FUNCTION, got {self.workload!r}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise BenchError(f"checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
+        if not isinstance(self.fsdp, bool):
+            raise BenchError(f"fsdp must be True or False, got {self.fsdp!r}")
+        if self.fsdp and self.dp < 2:
+            raise BenchError(
+                "FSDP2 sharding needs dp > 1 (one rank holds every shard: nothing is sharded); "
+                "use --dp 2 or more, or leave fsdp2 out of --sharding"
+            )
 
     @property
     def plan(self) -> BatchPlan:
@@ -90,6 +108,24 @@ class MeasureSpec:
     def label(self) -> str:
         """``MICROxACCUM`` (``MICROxDPxACCUM`` under data parallelism), as the CLI writes plans."""
         return self.plan.label()
+
+    @property
+    def sharding(self) -> str:
+        """``fsdp2``, ``ddp`` (data-parallel replicas) or ``none`` (one process)."""
+        return "fsdp2" if self.fsdp else ("ddp" if self.dp > 1 else "none")
+
+    @property
+    def row_label(self) -> str:
+        """The plan's label with what else the row changes: ``8x2``, ``8x2 ckpt``,
+        ``4x2x2 fsdp2``, ``4x2x2 fsdp2 no-defer`` (sync on every micro-batch)."""
+        parts = [self.label]
+        if self.checkpointing != "none":
+            parts.append("ckpt" if self.checkpointing == "full" else f"ckpt={self.checkpointing}")
+        if self.fsdp:
+            parts.append("fsdp2")
+        if not self.defer_sync:
+            parts.append("no-defer")
+        return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -226,6 +262,17 @@ class Measurement:
     """The device the run used, in words."""
     memory: MemoryFigures | None = None
     """Persistent and activation bytes from the tensors (and CUDA's allocator figures)."""
+    allgather_calls_per_update: int | None = None
+    """FSDP2: parameter all-gathers per update (each unit, each forward and each backward that
+    regathers); ``None`` without FSDP2."""
+    allgather_bytes_per_update: int | None = None
+    """FSDP2: bytes all-gathered per update on one rank (unsharded sizes, padding included)."""
+    reduce_scatter_calls_per_update: int | None = None
+    """FSDP2: gradient reduce-scatters per update (each unit, each synchronizing backward)."""
+    reduce_scatter_bytes_per_update: int | None = None
+    """FSDP2: gradient bytes reduce-scattered per update on one rank (unsharded, padded)."""
+    reduce_scatter_bytes_per_sync: int | None = None
+    """FSDP2: bytes one synchronizing backward reduce-scatters (the padded gradient set, FSDP2's G)."""
 
     @property
     def step_ms_median(self) -> float:

@@ -97,6 +97,24 @@ class ConfigSummary:
     """Whether every run had a process of its own (else peak RSS includes earlier configurations)."""
     memory: MemoryFigures | None = None
     """Persistent and activation bytes from the tensors (and CUDA's peaks), from the first run."""
+    allgather_calls_per_update: int | None = None
+    """FSDP2: parameter all-gathers per update (first run; the same in every run)."""
+    allgather_bytes_per_update: int | None = None
+    """FSDP2: bytes all-gathered per update per rank."""
+    reduce_scatter_calls_per_update: int | None = None
+    """FSDP2: gradient reduce-scatters per update."""
+    reduce_scatter_bytes_per_update: int | None = None
+    """FSDP2: gradient bytes reduce-scattered per update per rank."""
+    reduce_scatter_bytes_per_sync: int | None = None
+    """FSDP2: bytes one synchronizing backward reduce-scatters (the padded gradient set)."""
+
+    @property
+    def comm_bytes_per_update(self) -> int | None:
+        """Gradient and parameter bytes one rank communicates per update: DDP's all-reduces, or
+        FSDP2's all-gathers plus reduce-scatters; ``None`` without data parallelism."""
+        if self.reduce_scatter_bytes_per_update is not None:
+            return self.reduce_scatter_bytes_per_update + (self.allgather_bytes_per_update or 0)
+        return self.allreduce_bytes_per_update
 
     @property
     def plan(self) -> BatchPlan:
@@ -129,6 +147,10 @@ class ConfigSummary:
 
         return {
             "label": self.spec.label,
+            "row_label": self.spec.row_label,
+            "checkpointing": self.spec.checkpointing,
+            "sharding": self.spec.sharding,
+            "defer_sync": self.spec.defer_sync,
             "micro_batch": self.spec.micro_batch,
             "accum_steps": self.spec.accum_steps,
             "dp": self.spec.dp,
@@ -159,6 +181,12 @@ class ConfigSummary:
             "per_run_units_per_s": self.per_run_units_per_s,
             "fresh_process": self.fresh_process,
             "memory": None if self.memory is None else self.memory.to_dict(),
+            "allgather_calls_per_update": self.allgather_calls_per_update,
+            "allgather_bytes_per_update": self.allgather_bytes_per_update,
+            "reduce_scatter_calls_per_update": self.reduce_scatter_calls_per_update,
+            "reduce_scatter_bytes_per_update": self.reduce_scatter_bytes_per_update,
+            "reduce_scatter_bytes_per_sync": self.reduce_scatter_bytes_per_sync,
+            "comm_bytes_per_update": self.comm_bytes_per_update,
         }
 
 
@@ -207,4 +235,9 @@ def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
         per_run_units_per_s=[m.units_per_s for m in done],
         fresh_process=all(m.fresh_process for m in done),
         memory=next((m.memory for m in done if m.memory is not None), None),
+        allgather_calls_per_update=first.allgather_calls_per_update if first else None,
+        allgather_bytes_per_update=first.allgather_bytes_per_update if first else None,
+        reduce_scatter_calls_per_update=first.reduce_scatter_calls_per_update if first else None,
+        reduce_scatter_bytes_per_update=first.reduce_scatter_bytes_per_update if first else None,
+        reduce_scatter_bytes_per_sync=first.reduce_scatter_bytes_per_sync if first else None,
     )

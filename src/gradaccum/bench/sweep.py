@@ -1,5 +1,13 @@
 """The sweep: every (micro-batch, accumulation) factorization of one global batch, measured.
 
+Further dimensions multiply the rows: activation checkpointing (``none``/``full``) and, under data
+parallelism, sharding (``ddp``/``fsdp2``). An FSDP2 row is measured twice, with gradient sync
+deferred and on every micro-batch, because deferral under FSDP2 is a trade and not a free win:
+it reduce-scatters once per update instead of k times, but every rank keeps the unsharded
+gradients until the final micro-batch. With a memory budget the advisor
+(:mod:`gradaccum.bench.advisor`) picks the fastest row that fits, and the result carries a run
+card for it.
+
 Runs interleave across configurations (round r measures A, B, C, ... once each), so that drift in
 machine load (a neighbour's job, thermal throttling) spreads over all of them instead of landing on
 whichever ran last. Each run goes through a ``launch`` function, normally
@@ -8,18 +16,38 @@ whichever ran last. Each run goes through a ``launch`` function, normally
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gradaccum.bench.advisor import Advice, Row, advise
 from gradaccum.bench.models import CommModel, MemoryModel, comm_model, memory_model_of
 from gradaccum.bench.runner import Launch
-from gradaccum.bench.spec import MeasureSettings, MeasureSpec, RunRecord
+from gradaccum.bench.spec import CHECKPOINTING, MeasureSettings, MeasureSpec, RunRecord
 from gradaccum.bench.stats import ConfigSummary, summarize
 from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan, factorizations
+from gradaccum.runcard import RunCard
+from gradaccum.step.config import AccumConfig
 
-__all__ = ["ProgressEvent", "SweepResult", "SweepSpec", "interleave", "run_specs", "run_sweep"]
+if TYPE_CHECKING:
+    from gradaccum.bench.checkpointing import CheckpointingCheck
+
+__all__ = [
+    "SHARDING",
+    "ProgressEvent",
+    "SweepResult",
+    "SweepSpec",
+    "advised_runcard",
+    "interleave",
+    "run_specs",
+    "run_sweep",
+]
+
+SHARDING = ("ddp", "fsdp2")
+"""``ddp``: every rank holds the whole model (DDP under data parallelism; the model as it is on
+one process); ``fsdp2``: FSDP2 ``fully_shard`` of each repeated block and the root."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,9 +65,24 @@ class SweepSpec:
     settings: MeasureSettings = field(default_factory=MeasureSettings)
     """How each configuration is measured: runs, steps, precision, device ..."""
     memory_budget_bytes: int | None = None
-    """Report the largest micro-batch the memory model predicts fits this budget."""
+    """Per rank: report the largest micro-batch the memory model predicts fits this budget, and
+    advise the fastest measured row that fits it."""
+    checkpointing: tuple[str, ...] = ("none",)
+    """Activation checkpointing modes to measure each configuration with (``none``, ``full``)."""
+    sharding: tuple[str, ...] = ("ddp",)
+    """Sharding to measure each configuration with (:data:`SHARDING`; ``fsdp2`` needs dp > 1)."""
 
     def __post_init__(self) -> None:
+        for name, allowed in (("checkpointing", CHECKPOINTING), ("sharding", SHARDING)):
+            values = getattr(self, name)
+            if not values or any(v not in allowed for v in values) or len(set(values)) != len(values):
+                raise BenchError(
+                    f"{name} must list each of {allowed} at most once (at least one), got {list(values)}"
+                )
+        if "fsdp2" in self.sharding and self.dp < 2:
+            raise BenchError(
+                "--sharding fsdp2 needs data parallelism (--dp 2 or more): on one rank nothing is sharded"
+            )
         if self.plans is not None and len(set(self.plans)) != len(self.plans):
             labels = [p.label() for p in self.plans]
             raise BenchError(f"the sweep lists a configuration twice: {labels}; list each once")
@@ -51,8 +94,20 @@ class SweepSpec:
                 )
 
     def measure_specs(self) -> list[MeasureSpec]:
+        """Every row: each plan (largest micro-batch first) x sharding x checkpointing, and for
+        FSDP2 rows sync deferral on and off."""
         plans = self.plans if self.plans else tuple(factorizations(self.global_batch, dp=self.dp))
-        return [self.settings.measure_spec(self.workload, p) for p in plans]
+        specs = []
+        for plan in plans:
+            base = self.settings.measure_spec(self.workload, plan)
+            for sharding in self.sharding:
+                fsdp = sharding == "fsdp2"
+                for mode in self.checkpointing:
+                    for defer in (True, False) if fsdp else (self.settings.defer_sync,):
+                        specs.append(
+                            dataclasses.replace(base, checkpointing=mode, fsdp=fsdp, defer_sync=defer)
+                        )
+        return specs
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, as results.json has always had it: the settings sit beside the sweep's own fields."""
@@ -63,6 +118,8 @@ class SweepSpec:
             "plans": None if self.plans is None else [asdict(p) for p in self.plans],
             **self.settings.to_dict(),
             "memory_budget_bytes": self.memory_budget_bytes,
+            "checkpointing": list(self.checkpointing),
+            "sharding": list(self.sharding),
         }
 
 
@@ -103,6 +160,12 @@ class SweepResult:
     """The factorization of the global batch with the largest micro-batch that fits the budget."""
     records: tuple[RunRecord, ...] = field(default_factory=tuple)
     """Every run, in the order it ran."""
+    advice: Advice | None = None
+    """With a memory budget: the fastest measured row that fits it, and why."""
+    checkpointing_check: CheckpointingCheck | None = None
+    """With checkpointing in the sweep: checkpointed against plain, one float64 update."""
+    card: RunCard | None = None
+    """The run card of the advised row (``None`` without a budget, or when nothing fits)."""
 
     @property
     def budget_advice(self) -> str | None:
@@ -131,6 +194,11 @@ class SweepResult:
             if self.largest_fitting_plan is None
             else asdict(self.largest_fitting_plan),
             "runs": [r.to_dict() for r in self.records],
+            "advice": None if self.advice is None else self.advice.to_dict(),
+            "checkpointing_check": None
+            if self.checkpointing_check is None
+            else {**asdict(self.checkpointing_check), "passed": self.checkpointing_check.passed},
+            "runcard": None if self.card is None else self.card.to_dict(),
         }
 
 
@@ -169,35 +237,98 @@ def run_specs(
 def _memory(configs: Sequence[ConfigSummary]) -> tuple[MemoryModel | None, str | None]:
     model = memory_model_of([c for c in configs if c.ok])
     if model is None:
-        return None, "no configuration finished with its memory measured"
+        return None, "no plain configuration (no checkpointing, no FSDP2) finished with its memory measured"
     return model, None
 
 
+def _comm(c: ConfigSummary) -> CommModel | None:
+    """k x G against 1 x G: DDP's G is the gradient set, FSDP2's the padded set it reduce-scatters
+    per synchronizing backward, measured (each parameter's dim 0 is padded to a multiple of dp)."""
+    if c.spec.fsdp:
+        if c.reduce_scatter_bytes_per_sync is None:
+            return None
+        return comm_model(
+            c.reduce_scatter_bytes_per_sync,
+            c.spec.accum_steps,
+            defer_sync=c.spec.defer_sync,
+            measured_bytes=c.reduce_scatter_bytes_per_update,
+        )
+    if c.gradient_bytes is None:
+        return None
+    return comm_model(
+        c.gradient_bytes,
+        c.spec.accum_steps,
+        defer_sync=c.spec.defer_sync,
+        measured_bytes=c.allreduce_bytes_per_update,
+    )
+
+
+def advised_runcard(
+    spec: SweepSpec, advice: Advice, configs: Sequence[ConfigSummary], environment: dict[str, Any]
+) -> RunCard | None:
+    """The card of the advised row, with the accumulator settings it was measured with; ``None``
+    when nothing was chosen. ``train --runcard`` replays the plan, precision and accumulator
+    settings; checkpointing and sharding are recorded in ``extra`` (train does not apply them)."""
+    chosen = advice.chosen
+    if chosen is None:
+        return None
+    summary = next(c for c in configs if c.spec.row_label == chosen.label)
+    settings = spec.settings
+    return RunCard(
+        workload=spec.workload,
+        plan=chosen.plan,
+        accum=AccumConfig(max_grad_norm=settings.max_grad_norm, defer_sync=chosen.defer_sync),
+        precision=settings.precision,
+        optimizer="workload",
+        denominator=summary.unit,
+        tokens_per_step=summary.tokens_per_update[0] if summary.tokens_per_update else None,
+        seed=settings.seed,
+        versions=dict(environment.get("versions", {})),
+        device=str(environment.get("device", settings.device)),
+        git_commit=environment.get("git_commit"),
+        extra={
+            "source": "gradaccum bench --memory-budget",
+            "advice": advice.sentence,
+            "row": chosen.label,
+            "checkpointing": chosen.checkpointing,
+            "fsdp": chosen.fsdp,
+            "memory_budget_bytes": advice.budget_bytes,
+            "memory_bytes": chosen.memory_bytes,
+            "memory_kind": chosen.memory_kind,
+            "units_per_s": chosen.units_per_s,
+            "not_replayed": "gradaccum train --runcard takes the plan, precision and accumulator "
+            "settings; it does not apply checkpointing, and FSDP2 needs train --fsdp",
+        },
+    )
+
+
 def run_sweep(
-    spec: SweepSpec, launch: Launch, *, on_progress: Callable[[ProgressEvent], None] | None = None
+    spec: SweepSpec,
+    launch: Launch,
+    *,
+    on_progress: Callable[[ProgressEvent], None] | None = None,
+    environment: dict[str, Any] | None = None,
+    checkpointing_check: CheckpointingCheck | None = None,
 ) -> SweepResult:
-    """Measure every configuration ``spec.settings.runs`` times (interleaved) and fit the models."""
+    """Measure every configuration ``spec.settings.runs`` times (interleaved), fit the models and,
+    with a budget, advise. ``environment`` (versions, device, commit) goes into the advised row's
+    run card; ``checkpointing_check``, checked beforehand in this process, into the result."""
     specs = spec.measure_specs()
     records = run_specs(specs, spec.settings.runs, launch, on_progress)
     configs = tuple(summarize(s, [r for r in records if r.spec == s]) for s in specs)
     model, note = _memory(configs)
-    comm = tuple(
-        None
-        if c.gradient_bytes is None
-        else comm_model(
-            c.gradient_bytes,
-            c.spec.accum_steps,
-            defer_sync=c.spec.defer_sync,
-            measured_bytes=c.allreduce_bytes_per_update,
-        )
-        for c in configs
-    )
+    comm = tuple(_comm(c) for c in configs)
     largest: int | None = None
     fitting: BatchPlan | None = None
     if model is not None and spec.memory_budget_bytes is not None:
         largest = model.largest_micro_batch(spec.memory_budget_bytes)
         feasible = factorizations(spec.global_batch, dp=spec.dp)
         fitting = next((p for p in feasible if largest is None or p.micro_batch <= largest), None)
+    advice = card = None
+    if spec.memory_budget_bytes is not None:
+        rows = [row for row in map(Row.of, configs) if row is not None]
+        advice = advise(rows, spec.memory_budget_bytes, global_batch=spec.global_batch)
+        card = advised_runcard(spec, advice, configs, environment or {})
     return SweepResult(
         spec=spec,
         configs=configs,
@@ -207,4 +338,7 @@ def run_sweep(
         largest_fitting_micro_batch=largest,
         largest_fitting_plan=fitting,
         records=tuple(records),
+        advice=advice,
+        checkpointing_check=checkpointing_check,
+        card=card,
     )

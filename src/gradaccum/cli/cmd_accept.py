@@ -111,14 +111,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="e.g. 2GiB: name the largest micro-batch that fits, or why none can (default: none)",
     )
+    q = p.add_argument_group(
+        "quality run",
+        "train baseline and candidate from several seeds and compare their final evaluation loss "
+        "(the representative quality run; needed when scan finds BatchNorm, random layers or MoE)",
+    )
+    q.add_argument(
+        "--quality-steps",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="train each configuration N updates per seed with production settings (default: no quality run)",
+    )
+    q.add_argument(
+        "--seeds",
+        type=int_at_least(2),
+        default=3,
+        metavar="S",
+        help="seeds per configuration of the quality run, from --seed on (default 3; an interval needs 2)",
+    )
+    q.add_argument(
+        "--quality-eval-examples",
+        type=int_at_least(1),
+        default=64,
+        metavar="N",
+        help="held-out examples of each quality run's final evaluation (default 64)",
+    )
     p.add_argument("--require-adopt", action="store_true", help="exit 1 unless the verdict is ADOPT")
     add_measure_options(p, steps=50, min_runs=3)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept
-    from gradaccum.bench.report import comm_rows, memory_lines, memory_rows, time_rows, verdict_lines
+    from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept, with_quality
+    from gradaccum.bench.quality import run_quality
+    from gradaccum.bench.report import (
+        comm_rows,
+        memory_lines,
+        memory_rows,
+        quality_table,
+        time_rows,
+        verdict_lines,
+    )
     from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
     from gradaccum.check.workload import load_workload
     from gradaccum.runcard import environment
@@ -136,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         block_updates=args.block_updates,
         max_consecutive_skips=args.max_consecutive_skips,
         memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
+        quality_steps=args.quality_steps,
+        quality_seeds=args.seeds,
+        quality_eval_examples=args.quality_eval_examples,
     )
     if spec.settings.runs < 3:
         raise BenchError(f"--runs must be at least 3 (the protocol's minimum), got {spec.settings.runs}")
@@ -168,6 +205,22 @@ def run(args: argparse.Namespace) -> int:
     if not launching.leader:
         return code
     folder = new_run_folder(args.out_dir, "accept")
+    quality_spec = spec.quality_spec()
+    if quality_spec is not None:
+        # after the measurements and on this process alone (train needs no process group here)
+        with console.status("quality run") as spinner:
+
+            def on_run(arm: str, seed: int, done: int, total: int) -> None:
+                spinner.update(f"quality run {done + 1}/{total}: {arm} seed {seed}")
+
+            quality = run_quality(
+                quality_spec,
+                folder / "quality",
+                workload=workload,
+                reasons=result.quality_reasons,
+                on_run=on_run,
+            )
+        result = with_quality(result, quality)
     write_accept_folder(result, folder)
 
     b, c = spec.baseline, spec.candidate
@@ -202,5 +255,16 @@ def run(args: argparse.Namespace) -> int:
         console.print(escape(line))
     if not result.equivalence_passed:
         console.print("[red]the equivalence checks failed: the accumulated update is wrong, not slow[/red]")
+    for reason in result.quality_reasons:
+        console.print(f"[yellow]quality:[/yellow] {escape(reason)}")
+    if result.quality is not None:
+        console.print(
+            rich_table("quality run: final evaluation loss over seeds", quality_table(result.quality))
+        )
+        console.print(escape(result.quality.describe()))
+    elif result.quality_reasons:
+        console.print(
+            "[yellow]a representative quality run is needed[/yellow]: add --quality-steps N --seeds 3"
+        )
     console.print(f"run folder: {escape(str(folder))}")
     return code

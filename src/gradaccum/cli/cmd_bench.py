@@ -1,4 +1,5 @@
-"""``gradaccum bench``: measure every factorization of a fixed global batch."""
+"""``gradaccum bench``: measure every factorization of a fixed global batch, with activation
+checkpointing and FSDP2 sharding as further dimensions, and advise for a memory budget."""
 
 from __future__ import annotations
 
@@ -52,18 +53,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--memory-budget",
         default=None,
         metavar="SIZE",
-        help="e.g. 2GiB: report the largest micro-batch that fits (default: no budget)",
+        help="e.g. 6GiB per rank: advise the fastest measured row that fits it, say why in one sentence, "
+        "and write its run card (default: no budget)",
+    )
+    p.add_argument(
+        "--checkpointing",
+        default="none",
+        metavar="MODES",
+        help="comma-separated activation checkpointing modes to measure each configuration with: none, "
+        "full (every repeated block: nn.ModuleList members, or the workload's extras['checkpoint_blocks']); "
+        "default none",
+    )
+    p.add_argument(
+        "--sharding",
+        default="ddp",
+        metavar="KINDS",
+        help="comma-separated: ddp (replicas), fsdp2 (fully_shard; needs --dp 2+, measured with sync "
+        "deferred and on every micro-batch); default ddp",
     )
     p.add_argument("--json", action="store_true", help="also print results.json to stdout (default: tables)")
     add_measure_options(p, steps=20)
     p.set_defaults(func=run)
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def run(args: argparse.Namespace) -> int:
-    from gradaccum.bench.report import comm_rows, fmt_bytes, memory_rows, time_rows
+    from gradaccum.bench.checkpointing import check_checkpointing, checkpoint_blocks
+    from gradaccum.bench.report import (
+        checkpointing_lines,
+        comm_rows,
+        fmt_bytes,
+        fsdp2_rows,
+        memory_predictions,
+        memory_rows,
+        time_rows,
+    )
     from gradaccum.bench.runfolder import new_run_folder, write_sweep_folder
     from gradaccum.bench.sweep import SweepSpec, run_sweep
     from gradaccum.check.workload import load_workload
+    from gradaccum.runcard import environment
 
     check_output_folder(args.out_dir, "--out-dir")
     dp = resolve_dp(args.dp)
@@ -80,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         plans=plans,
         settings=measure_settings(args, device),
         memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
+        checkpointing=_modes(args.checkpointing),
+        sharding=_modes(args.sharding),
     )
     # workers import the workload themselves; loading it here first turns a workload that cannot load
     # (or a plan that cannot fit) into exit 2 naming the problem, before any worker is spawned
@@ -87,13 +120,25 @@ def run(args: argparse.Namespace) -> int:
     refuse_what_cannot_fit(
         workload, [s.plan for s in spec.measure_specs()], spec.settings.precision, device, check=False
     )
+    check = None
+    if "full" in spec.checkpointing:
+        checkpoint_blocks(workload, workload.build_model())  # no blocks to checkpoint: exit 2 now
+        check = check_checkpointing(workload, seed=spec.settings.seed, device=device)
     launching = make_launching(dp, args.timeout)
     try:
         with progress_bar(args.progress and launching.leader) as on_progress:
-            result = run_sweep(spec, launching.launch, on_progress=on_progress)
+            result = run_sweep(
+                spec,
+                launching.launch,
+                on_progress=on_progress,
+                environment=environment(device),
+                checkpointing_check=check,
+            )
     finally:
         finish_launching(launching)
     code = EXIT_OK if any(c.ok for c in result.configs) else EXIT_FAILED
+    if check is not None and not check.passed:
+        code = EXIT_FAILED
     if not launching.leader:
         return code
     folder = new_run_folder(args.out_dir, "bench")
@@ -102,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         print((folder / "results.json").read_text(encoding="utf-8"), end="")
         return code
     mm = result.memory_model
-    predictions = [None if mm is None else mm.predict(c.spec.micro_batch) for c in result.configs]
+    predictions = memory_predictions(result)
     console.print(
         f"global batch {spec.global_batch} = micro-batch x dp {dp} x accumulation; runs per configuration: "
         f"{spec.settings.runs}, interleaved, a fresh process each; precision {spec.settings.precision}; "
@@ -131,10 +176,27 @@ def run(args: argparse.Namespace) -> int:
                 )
                 + f"; largest factorization that fits: {plan.label() if plan else 'none'}"
             )
+    if any(c.spec.fsdp for c in result.configs):
+        console.print(
+            rich_table(
+                "FSDP2 per rank: sync deferred trades gradient memory for communication",
+                fsdp2_rows(result.configs),
+            )
+        )
     console.print(
         rich_table(
             "communication per update: naive k x G, deferred 1 x G", comm_rows(result.configs, result.comm)
         )
     )
+    if "full" in spec.checkpointing:
+        for line in checkpointing_lines(result):
+            console.print(escape(line))
+    if result.advice is not None:
+        colour = "green" if result.advice.chosen is not None else "yellow"
+        console.print(
+            f"[bold {colour}]advice for {fmt_bytes(result.advice.budget_bytes)} per rank:[/bold {colour}] "
+            f"{escape(result.advice.sentence)}"
+            + (" (runcard.json records it)" if result.card is not None else "")
+        )
     console.print(f"run folder: {escape(str(folder))}")
     return code

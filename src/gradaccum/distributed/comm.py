@@ -1,5 +1,6 @@
-"""Counting communication: DDP's gradient all-reduces (a comm hook), and the step's own collectives
-and host reads (a patch, for tests and benchmarks).
+"""Counting communication: DDP's gradient all-reduces (a comm hook), FSDP2's parameter all-gathers
+and gradient reduce-scatters (its custom-collective API), and the step's own collectives and host
+reads (a patch, for tests and benchmarks).
 
 No ``from __future__ import annotations`` in this module: DDP inspects the hook's ``bucket``
 annotation and needs the real ``dist.GradBucket`` class, not a string.
@@ -14,7 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["CommCounter", "SyncPoints", "count_allreduces", "count_sync_points"]
+__all__ = [
+    "CommCounter",
+    "Fsdp2CommCounter",
+    "SyncPoints",
+    "count_allreduces",
+    "count_fsdp2_comms",
+    "count_sync_points",
+]
 
 
 @dataclass
@@ -43,6 +51,79 @@ def count_allreduces(ddp: DistributedDataParallel) -> CommCounter:
     """Register the counting hook on ``ddp`` (once, before its first forward) and return its counter."""
     counter = CommCounter()
     ddp.register_comm_hook(counter, _counting_allreduce)
+    return counter
+
+
+@dataclass
+class Fsdp2CommCounter:
+    """FSDP2's collectives since the last reset: parameter all-gathers (bytes gathered, the full
+    unsharded size) and gradient reduce-scatters (bytes reduced, the full unsharded size), per rank."""
+
+    allgather_calls: int = 0
+    allgather_bytes: int = 0
+    reduce_scatter_calls: int = 0
+    reduce_scatter_bytes: int = 0
+
+    def reset(self) -> None:
+        self.allgather_calls = self.allgather_bytes = 0
+        self.reduce_scatter_calls = self.reduce_scatter_bytes = 0
+
+
+# what FSDP2's defaults call: the *_single names where this torch has them (the older ones warn)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Allocate:
+    """FSDP2's default buffer allocation (``torch.empty``), shared by both counting collectives."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _CountingAllGather(_Allocate):
+    # FSDP2's default all-gather, plus the count: the same call into torch.distributed
+    def __init__(self, counter: Fsdp2CommCounter) -> None:
+        self.counter = counter
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        self.counter.allgather_calls += 1
+        self.counter.allgather_bytes += output_tensor.numel() * output_tensor.element_size()
+        return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountingReduceScatter(_Allocate):
+    def __init__(self, counter: Fsdp2CommCounter) -> None:
+        self.counter = counter
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self.counter.reduce_scatter_calls += 1
+        self.counter.reduce_scatter_bytes += input_tensor.numel() * input_tensor.element_size()
+        return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def count_fsdp2_comms(units: list[Any]) -> Fsdp2CommCounter | None:
+    """Count the collectives of FSDP2 ``units`` (the modules ``fully_shard`` wrapped), through the
+    public ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``: the counting
+    collectives allocate and communicate as FSDP2's defaults do. ``None`` on a torch without them
+    (before 2.8), or when there is nothing to count."""
+    if not units or not all(
+        hasattr(u, "set_custom_all_gather") and hasattr(u, "set_custom_reduce_scatter") for u in units
+    ):
+        return None
+    counter = Fsdp2CommCounter()
+    for unit in units:
+        unit.set_custom_all_gather(_CountingAllGather(counter))
+        unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))
     return counter
 
 

@@ -14,7 +14,20 @@ from torch.nn.parallel import DistributedDataParallel
 from gradaccum.distributed import dist
 from gradaccum.errors import SyncError
 
-__all__ = ["repeated_blocks", "wrap_model"]
+__all__ = ["fsdp2_units", "repeated_blocks", "wrap_model"]
+
+
+def fsdp2_units(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` wrapped (each gathers its own parameters);
+    empty for a model that is not sharded with FSDP2 or a torch without it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 keeps it under _composable
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

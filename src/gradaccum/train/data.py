@@ -30,6 +30,7 @@ from gradaccum.step.accumulator import CountFn
 from gradaccum.train.config import TrainError
 
 __all__ = [
+    "SEED_SPACE",
     "DataPosition",
     "ShardedStream",
     "Window",
@@ -38,18 +39,31 @@ __all__ = [
     "train_seed",
 ]
 
-_SEED_STRIDE = 2**32
-_EVAL_OFFSET = 2**31
+SEED_SPACE = 2**32 - 1
+"""Data seeds lie in ``[1, 2**32 - 1]``: torch's CPU generator (``torch.Generator().manual_seed``)
+keeps only the low 32 bits of a seed and NumPy's legacy seeding refuses more, so a stream laid out
+above bit 32 (an earlier ``seed * 2**32 + 1 + w``) gave every run seed the same examples."""
+_SEED_MIX = 0x9E3779B9
+"""Odd (2**32 / golden ratio): run seeds' streams start far apart on the 32-bit circle, seed 0 at 0.
+For run seeds 0..1000 every training and evaluation stream starts at least 1.5 million seeds from
+every other, so runs shorter than that never share a batch."""
+_EVAL_OFFSET = 2**31 - 1
+
+
+def _stream(seed: int) -> int:
+    return (seed * _SEED_MIX) % SEED_SPACE
 
 
 def train_seed(seed: int, window: int) -> int:
-    """The ``make_batch`` seed of training window ``window`` (never 0, the verification seed)."""
-    return seed * _SEED_STRIDE + 1 + window
+    """The ``make_batch`` seed of training window ``window``: ``1 + window`` for run seed 0, never 0
+    (the verification seed); distinct windows of one run never share a seed (below 2**31 windows)."""
+    return (_stream(seed) + window) % SEED_SPACE + 1
 
 
 def eval_seed(seed: int, index: int) -> int:
-    """The ``make_batch`` seed of evaluation batch ``index``: disjoint from every training window."""
-    return seed * _SEED_STRIDE + _EVAL_OFFSET + index
+    """The ``make_batch`` seed of evaluation batch ``index``: disjoint from the run's training windows
+    (half the 32-bit circle away; ``2**31 + index`` for run seed 0)."""
+    return (_stream(seed) + _EVAL_OFFSET + index) % SEED_SPACE + 1
 
 
 def shard_bounds(plan: BatchPlan, rank: int) -> tuple[int, int]:
