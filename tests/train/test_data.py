@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from gradaccum.examples import tiny_gpt
@@ -31,4 +33,4 @@ def test_run_seeds_draw_different_examples() -> None:
 def test_streams_of_the_first_thousand_seeds_stay_apart() -> None:
     starts = sorted({train_seed(s, 0) for s in range(1001)} | {eval_seed(s, 0) for s in range(1001)})
     assert len(starts) == 2002
-    assert min(b - a for a, b in zip(starts, starts[1:])) > 1_500_000
+    assert min(b - a for a, b in itertools.pairwise(starts)) > 1_500_000

@@ -388,7 +388,8 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
                 "lr": config.lr,
                 "weight_decay": config.weight_decay,
                 "fsdp": config.fsdp,
-                "data": "window w = make_batch(global_batch, train_seed(seed, w)), 1 + w for seed 0; rank r takes "
+                "data": "window w = make_batch(global_batch, train_seed(seed, w)), 1 + w for seed 0; "
+                "rank r takes "
                 "examples [r * local_batch, (r + 1) * local_batch)",
                 "resumed_from": str(s.resumed_from) if s.resumed_from is not None else None,
             },
