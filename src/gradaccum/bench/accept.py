@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from gradaccum.bench.models import CommModel, MemoryModel, comm_model, memory_model_of
+from gradaccum.bench.models import CommModel, MemoryModel, memory_model_of
 from gradaccum.bench.quality import MIN_SEEDS, QualityResult, QualitySpec, quality_reasons
 from gradaccum.bench.runner import Launch
 from gradaccum.bench.spec import MeasureSettings, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.bench.stats import ConfigSummary, summarize
-from gradaccum.bench.sweep import ProgressEvent, run_jobs
+from gradaccum.bench.sweep import ProgressEvent, comm_of, run_jobs
 from gradaccum.bench.verdict import (
     DEFAULT_MARGIN,
     MIN_RUNS,
@@ -409,17 +409,6 @@ def _arm(summary: ConfigSummary) -> ArmFigures:
     )
 
 
-def _comm(summary: ConfigSummary) -> CommModel | None:
-    if summary.gradient_bytes is None:
-        return None
-    return comm_model(
-        summary.gradient_bytes,
-        summary.spec.accum_steps,
-        defer_sync=summary.spec.defer_sync,
-        measured_bytes=summary.allreduce_bytes_per_update,
-    )
-
-
 def make_runcard(
     spec: AcceptSpec, verdict: Verdict, chosen: ConfigSummary, environment: dict[str, Any], unit: str
 ) -> RunCard:
@@ -527,7 +516,7 @@ def run_accept(
         equivalence=equivalence,
         baseline=base,
         candidate=cand,
-        comm=(_comm(base), _comm(cand)),
+        comm=(comm_of(base), comm_of(cand)),
         memory_model=memory_model_of([base, cand]),
         verdict=verdict,
         records=tuple(records),

@@ -40,7 +40,9 @@ __all__ = [
     "SweepResult",
     "SweepSpec",
     "advised_runcard",
+    "comm_of",
     "interleave",
+    "run_jobs",
     "run_specs",
     "run_sweep",
 ]
@@ -241,7 +243,7 @@ def _memory(configs: Sequence[ConfigSummary]) -> tuple[MemoryModel | None, str |
     return model, None
 
 
-def _comm(c: ConfigSummary) -> CommModel | None:
+def comm_of(c: ConfigSummary) -> CommModel | None:
     """k x G against 1 x G: DDP's G is the gradient set, FSDP2's the padded set it reduce-scatters
     per synchronizing backward, measured (each parameter's dim 0 is padded to a multiple of dp)."""
     if c.spec.fsdp:
@@ -317,7 +319,7 @@ def run_sweep(
     records = run_specs(specs, spec.settings.runs, launch, on_progress)
     configs = tuple(summarize(s, [r for r in records if r.spec == s]) for s in specs)
     model, note = _memory(configs)
-    comm = tuple(_comm(c) for c in configs)
+    comm = tuple(comm_of(c) for c in configs)
     largest: int | None = None
     fitting: BatchPlan | None = None
     if model is not None and spec.memory_budget_bytes is not None:
