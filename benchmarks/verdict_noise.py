@@ -68,7 +68,9 @@ def compare(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--comparisons", type=int, default=20, help="A/A comparisons (default 20)")
+    parser.add_argument(
+        "--comparisons", type=int, default=20, help="A/A comparisons (default 20; 0 skips them)"
+    )
     parser.add_argument(
         "--repeats", type=int, default=5, help="8x4 vs 1x32 comparisons per direction (default 5)"
     )
@@ -87,6 +89,8 @@ def main() -> None:
         ("slower candidate", "8x4", "1x32", args.repeats),
         ("faster candidate", "1x32", "8x4", args.repeats),
     ):
+        if n < 1:
+            continue  # e.g. --comparisons 0: only the two directions
         spec = AcceptSpec(
             workload=WORKLOAD, baseline=_plan(baseline), candidate=_plan(candidate), settings=settings
         )
