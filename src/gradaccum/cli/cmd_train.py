@@ -9,34 +9,21 @@
 This module is the only training code that reads environment variables (torchrun's RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), installs signal handlers and prints (rank 0 only).
 
-Signals, as job schedulers expect (:class:`_Signals`): SIGUSR1 checkpoints at the next boundary and
-carries on. The first SIGINT or SIGTERM finishes the current window, checkpoints at its boundary
-and exits 130 (SIGINT) or 143 (SIGTERM), printing the resume command. A second one, a second or
-more after the first, stops at once: it removes the unfinished checkpoint folder and exits 130; the
-newest complete checkpoint is untouched. (A repeat within the second is the same request arriving
-twice, as torchrun forwards the terminal's Ctrl-C to workers that already got it.) Before the
-first window nothing has been written, so a signal then ends the process at once, with one line.
-The second signal and the start-up case are served by a watcher thread woken by
-``signal.set_wakeup_fd``, so they act even while the main thread is inside torch (a forward, a
-collective, ``torch.save``). SIGXFSZ is ignored, so a file-size limit surfaces as an error naming
-the file rather than killing the process.
+Signals, as job schedulers expect (SIGUSR1 checkpoints and carries on; the first SIGINT or SIGTERM
+checkpoints at the boundary and exits 130 or 143; a second stops at once), are
+:mod:`gradaccum.cli.train_signals`; what rank 0 prints is :mod:`gradaccum.cli.train_render`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shlex
-import signal
-import statistics
 import sys
-import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,20 +31,18 @@ import torch
 from gradaccum.cli.common import (
     DEFAULT_WORKLOAD,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_TERMINATED,
     add_data_options,
     add_threads_option,
     check_output_folder,
-    console,
     default_threads,
-    escape,
     int_at_least,
     number_above,
     output_folder,
     workload_spec,
 )
+from gradaccum.cli.train_render import TrainRenderer, count
+from gradaccum.cli.train_signals import TrainSignals
 from gradaccum.distributed import dist
 from gradaccum.errors import (
     CheckpointWriteError,
@@ -71,20 +56,15 @@ from gradaccum.errors import (
 from gradaccum.plan import BatchPlan
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
-
     from gradaccum.runcard import RunCard
     from gradaccum.train.config import TrainConfig
-    from gradaccum.train.loop import TrainControl, TrainResult
-    from gradaccum.train.records import StepRecord, TrainEvent, TrainStart
+    from gradaccum.train.records import TrainEvent
 
 DEFAULT_GLOBAL_BATCH, DEFAULT_MICRO_BATCH, DEFAULT_STEPS = 32, 8, 200
 DEFAULT_OPTIMIZER, DEFAULT_LR, DEFAULT_WEIGHT_DECAY = "adamw", 1e-2, 0.0
 DEFAULT_MAX_GRAD_NORM, DEFAULT_MAX_SKIPS = 1.0, 10
 # the defaults of TrainConfig, repeated in the help (imported lazily: the parser stays light)
 DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_KEEP = 100, 30.0, 3
-REPEAT_S = 1.0
-"""A second stop signal sooner than this after the first is the same request delivered twice."""
 PROBE_S = 2.0
 """How long a surviving rank waits for the others to answer after a collective failed."""
 AUTO = ("auto", "latest")
@@ -351,7 +331,7 @@ def _from_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[st
     if card.plan.dp != world:
         raise PlanError(
             f"run card {args.runcard} was verified with dp={card.plan.dp} ({card.plan.equation()}), but "
-            f"this job has {_count(world, 'process')}. Launch with torchrun --nproc-per-node "
+            f"this job has {count(world, 'process')}. Launch with torchrun --nproc-per-node "
             f"{card.plan.dp}, or verify a plan for this world size."
         )
     if card.optimizer in ("adamw", "sgd") and card.lr is None:
@@ -552,145 +532,6 @@ def _shared(value: Any) -> Any:
     return dist.all_gather_objects(value, what="the run folder")[0]
 
 
-# -- signals ------------------------------------------------------------------------------------
-
-_NAMES: dict[int, str] = {int(signal.SIGINT): "SIGINT", int(signal.SIGTERM): "SIGTERM"}
-
-
-class _Signals:
-    """The signal handling described in the module docstring, for the duration of a ``with``.
-
-    The Python-level handlers run in the main thread between bytecodes and only count requests
-    (:class:`TrainControl`), so a request is never lost and is served at the next boundary. The
-    watcher thread reads the signal numbers that the C-level handler writes into a pipe the moment
-    a signal arrives, and acts when the main thread cannot: at start-up, and on the second signal.
-    """
-
-    def __init__(self, *, leader: bool) -> None:
-        self.control: TrainControl | None = None
-        """Set once the training code is imported; until then every signal ends start-up."""
-        self.leader = leader
-        self.run_dir: Path | None = None
-        self.resume_command = ""
-        self.training = False
-        self.first: int | None = None
-        self._first_at = 0.0
-        self._installed = False
-        self._previous: dict[int, Any] = {}
-        self._previous_fd = -1
-        self._pipe: tuple[int, int] | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def exit_code(self) -> int:
-        """What a run stopped by this process's first signal exits with (143 when another rank's
-        request stopped it: it was terminated from outside)."""
-        return EXIT_INTERRUPTED if self.first == signal.SIGINT else EXIT_TERMINATED
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is not threading.main_thread():
-            return self  # a library caller's thread: signals are its business
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        self._pipe = (read, write)
-        handlers: dict[int, Any] = {signal.SIGINT: self._on_stop, signal.SIGTERM: self._on_stop}
-        if hasattr(signal, "SIGUSR1"):
-            handlers[signal.SIGUSR1] = self._on_checkpoint
-        if hasattr(signal, "SIGXFSZ"):
-            handlers[signal.SIGXFSZ] = signal.SIG_IGN  # a file-size limit: an error, not a kill
-        self._previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
-        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        self._installed = True
-        self._thread = threading.Thread(target=self._watch, name="gradaccum-signals", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._installed or self._pipe is None:
-            return
-        signal.set_wakeup_fd(self._previous_fd)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        read, write = self._pipe
-        with contextlib.suppress(OSError):
-            os.write(write, b"\0")  # wakes the watcher to leave
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        os.close(read)
-        os.close(write)
-        self._installed = False
-
-    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
-        if self.control is not None:
-            self.control.request_stop()
-
-    def _on_checkpoint(self, signum: int, frame: FrameType | None) -> None:
-        if self.control is not None:
-            self.control.request_checkpoint()
-
-    def _watch(self) -> None:
-        assert self._pipe is not None
-        while True:
-            try:
-                data = os.read(self._pipe[0], 64)
-            except OSError:
-                return
-            for signum in data:
-                if signum == 0:
-                    return
-                if signum in _NAMES:
-                    self._on_signal(signum)
-
-    def _on_signal(self, signum: int) -> None:
-        name = _NAMES[signum]
-        if not self.training:
-            code = EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
-            self._exit_now(
-                code, f"interrupted ({name}) during start-up; nothing was trained or written", resume=False
-            )
-        now = time.monotonic()
-        if self.first is None:
-            self.first, self._first_at = signum, now
-            self._say(
-                f"{name}: finishing this window, then checkpointing and stopping; a second signal "
-                "(Ctrl-C again) stops at once, without the checkpoint"
-            )
-        elif now - self._first_at >= REPEAT_S:
-            self._exit_now(EXIT_INTERRUPTED, self._stopped_now(name))
-
-    def _stopped_now(self, name: str) -> str:
-        from gradaccum.train.checkpoint import find_intact, remove_partial_checkpoints
-
-        if self.run_dir is None:
-            return f"second signal ({name}): stopped at once"
-        if self.leader:
-            for _ in range(2):  # the main thread may have been creating the folder meanwhile
-                remove_partial_checkpoints(self.run_dir)
-        point = find_intact(self.run_dir, checksums=False)
-        kept = (
-            f"the newest complete checkpoint, {point.path}, is intact"
-            if point is not None
-            else "no checkpoint was complete yet"
-        )
-        return (
-            f"second signal ({name}): stopped at once, mid-window; the unfinished checkpoint was removed "
-            f"and {kept}"
-        )
-
-    def _say(self, text: str) -> None:
-        if self.leader:
-            with contextlib.suppress(OSError):
-                os.write(2, f"gradaccum train: {text}\n".encode())
-
-    def _exit_now(self, code: int, text: str, *, resume: bool = True) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        command = self.resume_command if resume else ""
-        self._say(text + (f"\n  resume with: {command}" if command else ""))
-        os._exit(code)
-
-
 # -- the resume command and a lost rank ---------------------------------------------------------------
 
 
@@ -763,196 +604,6 @@ def _lost_rank_message(exc: BaseException, world: int, rank: int, resume: str, r
     )
 
 
-# -- rendering ---------------------------------------------------------------------------------
-
-
-def _count(n: int, word: str) -> str:
-    plural = {"process": "processes", "boundary": "boundaries", "update": "updates"}.get(word, word + "s")
-    return f"{n:,} {word if n == 1 else plural}"
-
-
-class _Renderer:
-    """Rank 0's view of the run: start banner, progress bar (or periodic lines), events, summary."""
-
-    def __init__(self, config: TrainConfig, args: argparse.Namespace, notes: list[str]) -> None:
-        self.config = config
-        self.args = args
-        self.notes = notes
-        self.steps: list[StepRecord] = []
-        self.progress: Progress | None = None
-        self.task: Any = None
-        self.every = max(1, (config.steps or 100) // 10)
-        self.tokens, self.seconds = 0, 0.0
-
-    def __call__(self, event: TrainEvent) -> None:
-        from gradaccum.train.records import CheckpointRecord, EvalRecord, StepRecord, TrainStart
-
-        if isinstance(event, TrainStart):
-            self._start(event)
-        elif isinstance(event, StepRecord):
-            self._step(event)
-        elif isinstance(event, EvalRecord):
-            self._print(
-                f"eval at step {event.step}: loss {_fmt(event.eval_loss)} over {event.eval_tokens:,} tokens"
-            )
-        elif isinstance(event, CheckpointRecord):
-            self._print(
-                f"checkpoint ({event.reason}) after {_count(event.window, 'boundary')}: {escape(event.path)}"
-            )
-
-    def _print(self, text: str) -> None:
-        (self.progress.console if self.progress is not None else console).print(text)
-
-    def _start(self, start: TrainStart) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        cfg = self.config
-        if self.args.runcard is not None:
-            checked = f" (from run card {escape(str(self.args.runcard))})"
-        else:
-            checked = f" (checked against --global-batch {cfg.plan.global_batch})"
-        console.print(f"batch equation: {start.equation}{checked}")
-        for line in self.notes:
-            console.print(escape(line))
-        sched = start.schedule
-        per_step = max(start.tokens_per_step, 1)
-        if sched["clock"] == "steps":
-            warmup_steps, warmup_tokens = float(sched["warmup"]), sched["warmup"] * per_step
-        else:
-            warmup_steps, warmup_tokens = sched["warmup"] / per_step, sched["warmup"]
-        layout = ", FSDP2" if cfg.fsdp else ", DDP" if start.world > 1 else ""
-        threads = torch.get_num_threads()
-        console.print(
-            f"{_count(start.world, 'process')} on {start.device}, precision {cfg.precision}{layout}; "
-            f"workload {escape(cfg.workload)}; torch threads per process: {threads}"
-            + (" (--threads)" if self.args.threads is not None else "")
-        )
-        peak = "the workload optimizer's own" if cfg.optimizer == "workload" else f"{cfg.lr:g}"
-        console.print(
-            f"schedule: {sched['kind']}, clock {sched['clock']}, warmup {sched['warmup']:,} and horizon "
-            f"{_count(sched['horizon'], sched['clock'][:-1])}; peak lr {peak}; "
-            f"~{start.tokens_per_step:,} valid tokens per step; skipped updates: {sched['skipped_updates']}"
-        )
-        if sched["clock"] == "steps":
-            steps = _count(round(warmup_steps), "step")
-            keeps = f"{steps} (~{warmup_tokens:,.0f} valid tokens at this global batch)"
-            moves = "a larger global batch keeps the steps and adds tokens"
-        else:
-            keeps = f"{warmup_tokens:,} valid tokens (~{warmup_steps:,.1f} steps at this global batch)"
-            moves = "a larger global batch keeps the tokens and takes fewer steps"
-        console.print(f"warmup: {keeps}; {moves}")
-        console.print(escape(_checkpoint_policy(cfg)))
-        for skipped in start.skipped_checkpoints:
-            console.print(
-                f"[yellow]note:[/yellow] passed over a checkpoint that is not intact: {escape(skipped)}"
-            )
-        if start.resumed_from:
-            console.print(f"resumed from {escape(start.resumed_from)} at boundary {start.start_window}")
-        if start.checkpoint_schedule is not None:
-            was = start.checkpoint_schedule
-            console.print(
-                f"[yellow]note:[/yellow] the checkpoint's schedule was {was['kind']}, clock {was['clock']}, "
-                f"warmup {was['warmup']:,}, horizon {was['horizon']:,}; from here the learning rate follows "
-                "this run's"
-            )
-        console.print(f"run folder: {escape(start.run_dir)}")
-        if console.is_terminal:
-            self.progress = Progress(
-                TextColumn("train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn(
-                    "loss {task.fields[loss]}  {task.fields[tps]} tok/s  skipped {task.fields[skipped]}"
-                ),
-                TimeElapsedColumn(),
-                console=console,
-            )
-            self.task = self.progress.add_task(
-                "train", total=start.total_windows, completed=start.start_window, loss="-", tps="-", skipped=0
-            )
-            self.progress.start()
-
-    def _step(self, record: StepRecord) -> None:
-        self.steps.append(record)
-        self.tokens += record.window_tokens
-        self.seconds += record.step_time_ms / 1e3
-        rate = f"{self.tokens / self.seconds if self.seconds else 0.0:,.0f}"  # since start: less noisy
-        if self.progress is not None:
-            self.progress.update(
-                self.task,
-                completed=record.window + 1,
-                loss=_fmt(record.loss),
-                tps=rate,
-                skipped=record.skipped,
-            )
-        elif (record.window + 1) % self.every == 0 or not record.applied:
-            note = "" if record.applied else f"  SKIPPED: {escape(record.skip_reason or '')}"
-            console.print(
-                f"step {record.window + 1}: loss {_fmt(record.loss)}  lr {record.lr:.3g}  "
-                f"tokens {record.tokens:,}  {rate} tok/s{note}"
-            )
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-    def summary(self, result: TrainResult, resume: str) -> None:
-        from gradaccum.train.loop import RUNCARD_FILE
-        from gradaccum.train.records import LOSS_PNG, METRICS_FILE
-
-        losses = [r.loss for r in self.steps if r.loss is not None and r.applied]
-        p = result.progress
-        if losses:
-            head, tail = losses[: min(5, len(losses))], losses[-min(5, len(losses)) :]
-            console.print(
-                f"start loss {statistics.fmean(head):.4f} -> end loss {statistics.fmean(tail):.4f} "
-                f"(means of the first and last {_count(len(tail), 'update')}; "
-                f"first {losses[0]:.4f}, last {losses[-1]:.4f})"
-            )
-        if result.eval_loss is not None:
-            console.print(f"eval loss {result.eval_loss:.4f}")
-        if result.critical_batch is not None:
-            console.print(escape(result.critical_batch))
-        # the same clock as the progress lines (time inside windows), then the whole wall time
-        in_windows = self.tokens / self.seconds if self.seconds else 0.0
-        console.print(
-            f"{result.stopped}: {_count(p.windows, 'boundary')}, "
-            f"{_count(p.steps_applied, 'update')} applied, "
-            f"{p.steps_skipped} skipped; {p.tokens_consumed:,} tokens consumed; {in_windows:,.0f} tok/s in "
-            f"training windows, {result.tokens_per_s:,.0f} tok/s over the {result.wall_s:,.1f} s wall time "
-            "(with checkpoints, evaluation and records)"
-            + (f"; loss scale {result.loss_scale:g}" if result.loss_scale is not None else "")
-        )
-        run_dir = result.run_dir
-        console.print(
-            escape(
-                f"records: {run_dir / RUNCARD_FILE}, {run_dir / METRICS_FILE}, {run_dir / LOSS_PNG}"
-                + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else "")
-            )
-        )
-        if result.stopped != "completed":
-            console.print(escape(f"resume with: {resume}"))
-
-
-def _checkpoint_policy(cfg: TrainConfig) -> str:
-    when = []
-    if cfg.checkpoint_every is not None:
-        when.append(f"every {_count(cfg.checkpoint_every, 'applied update')}")
-    if cfg.checkpoint_minutes is not None:
-        when.append(f"every {cfg.checkpoint_minutes:g} minutes")
-    cadence = " or ".join(when) + (", whichever comes first," if len(when) == 2 else "")
-    cadence = f"{cadence} and at the end" if when else "at the end only"
-    return (
-        f"checkpoints: {cadence} (and on SIGUSR1, SIGINT or SIGTERM); the newest "
-        f"{cfg.keep_checkpoints} kept in {cfg.run_dir / 'checkpoints'}"
-    )
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
-
-
 # -- the command ----------------------------------------------------------------------------------
 
 
@@ -964,7 +615,7 @@ def run(args: argparse.Namespace) -> int:
     leader = int(os.environ.get("RANK", "0")) == 0
     threads_before = torch.get_num_threads()
     # installed before the training code imports: a signal then exits at once (nothing written yet)
-    with _Signals(leader=leader) as signals:
+    with TrainSignals(leader=leader) as signals:
         from gradaccum.train.loop import TrainControl, train
 
         workload_spec(args)  # --workload hf:MODEL_DIR --data FILE ... as one spec, in args.workload
@@ -991,7 +642,7 @@ def run(args: argparse.Namespace) -> int:
             args.configuration = f"{config.plan.equation()}, precision {config.precision}"
             resume_command = _resume_command(args, run_dir, world)
             signals.run_dir, signals.resume_command = run_dir, resume_command
-            renderer = _Renderer(config, args, [*lines, *([note] if note else [])]) if rank == 0 else None
+            renderer = TrainRenderer(config, args, [*lines, *([note] if note else [])]) if rank == 0 else None
 
             def on_event(event: TrainEvent) -> None:
                 signals.training = True  # from the start record on, a signal stops at a boundary

@@ -1,0 +1,207 @@
+"""What rank 0 of ``gradaccum train`` prints: the start banner, progress, events and the summary."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gradaccum.cli.common import console, escape
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from gradaccum.train.config import TrainConfig
+    from gradaccum.train.loop import TrainResult
+    from gradaccum.train.records import StepRecord, TrainEvent, TrainStart
+
+__all__ = ["TrainRenderer", "checkpoint_policy", "count", "fmt"]
+
+
+def count(n: int, word: str) -> str:
+    plural = {"process": "processes", "boundary": "boundaries", "update": "updates"}.get(word, word + "s")
+    return f"{n:,} {word if n == 1 else plural}"
+
+
+class TrainRenderer:
+    """Rank 0's view of the run: start banner, progress bar (or periodic lines), events, summary."""
+
+    def __init__(self, config: TrainConfig, args: argparse.Namespace, notes: list[str]) -> None:
+        self.config = config
+        self.args = args
+        self.notes = notes
+        self.steps: list[StepRecord] = []
+        self.progress: Progress | None = None
+        self.task: Any = None
+        self.every = max(1, (config.steps or 100) // 10)
+        self.tokens, self.seconds = 0, 0.0
+
+    def __call__(self, event: TrainEvent) -> None:
+        from gradaccum.train.records import CheckpointRecord, EvalRecord, StepRecord, TrainStart
+
+        if isinstance(event, TrainStart):
+            self._start(event)
+        elif isinstance(event, StepRecord):
+            self._step(event)
+        elif isinstance(event, EvalRecord):
+            self._print(
+                f"eval at step {event.step}: loss {fmt(event.eval_loss)} over {event.eval_tokens:,} tokens"
+            )
+        elif isinstance(event, CheckpointRecord):
+            self._print(
+                f"checkpoint ({event.reason}) after {count(event.window, 'boundary')}: {escape(event.path)}"
+            )
+
+    def _print(self, text: str) -> None:
+        (self.progress.console if self.progress is not None else console).print(text)
+
+    def _start(self, start: TrainStart) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        cfg = self.config
+        if self.args.runcard is not None:
+            checked = f" (from run card {escape(str(self.args.runcard))})"
+        else:
+            checked = f" (checked against --global-batch {cfg.plan.global_batch})"
+        console.print(f"batch equation: {start.equation}{checked}")
+        for line in self.notes:
+            console.print(escape(line))
+        sched = start.schedule
+        per_step = max(start.tokens_per_step, 1)
+        if sched["clock"] == "steps":
+            warmup_steps, warmup_tokens = float(sched["warmup"]), sched["warmup"] * per_step
+        else:
+            warmup_steps, warmup_tokens = sched["warmup"] / per_step, sched["warmup"]
+        layout = ", FSDP2" if cfg.fsdp else ", DDP" if start.world > 1 else ""
+        threads = torch.get_num_threads()
+        console.print(
+            f"{count(start.world, 'process')} on {start.device}, precision {cfg.precision}{layout}; "
+            f"workload {escape(cfg.workload)}; torch threads per process: {threads}"
+            + (" (--threads)" if self.args.threads is not None else "")
+        )
+        peak = "the workload optimizer's own" if cfg.optimizer == "workload" else f"{cfg.lr:g}"
+        console.print(
+            f"schedule: {sched['kind']}, clock {sched['clock']}, warmup {sched['warmup']:,} and horizon "
+            f"{count(sched['horizon'], sched['clock'][:-1])}; peak lr {peak}; "
+            f"~{start.tokens_per_step:,} valid tokens per step; skipped updates: {sched['skipped_updates']}"
+        )
+        if sched["clock"] == "steps":
+            steps = count(round(warmup_steps), "step")
+            keeps = f"{steps} (~{warmup_tokens:,.0f} valid tokens at this global batch)"
+            moves = "a larger global batch keeps the steps and adds tokens"
+        else:
+            keeps = f"{warmup_tokens:,} valid tokens (~{warmup_steps:,.1f} steps at this global batch)"
+            moves = "a larger global batch keeps the tokens and takes fewer steps"
+        console.print(f"warmup: {keeps}; {moves}")
+        console.print(escape(checkpoint_policy(cfg)))
+        for skipped in start.skipped_checkpoints:
+            console.print(
+                f"[yellow]note:[/yellow] passed over a checkpoint that is not intact: {escape(skipped)}"
+            )
+        if start.resumed_from:
+            console.print(f"resumed from {escape(start.resumed_from)} at boundary {start.start_window}")
+        if start.checkpoint_schedule is not None:
+            was = start.checkpoint_schedule
+            console.print(
+                f"[yellow]note:[/yellow] the checkpoint's schedule was {was['kind']}, clock {was['clock']}, "
+                f"warmup {was['warmup']:,}, horizon {was['horizon']:,}; from here the learning rate follows "
+                "this run's"
+            )
+        console.print(f"run folder: {escape(start.run_dir)}")
+        if console.is_terminal:
+            self.progress = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn(
+                    "loss {task.fields[loss]}  {task.fields[tps]} tok/s  skipped {task.fields[skipped]}"
+                ),
+                TimeElapsedColumn(),
+                console=console,
+            )
+            self.task = self.progress.add_task(
+                "train", total=start.total_windows, completed=start.start_window, loss="-", tps="-", skipped=0
+            )
+            self.progress.start()
+
+    def _step(self, record: StepRecord) -> None:
+        self.steps.append(record)
+        self.tokens += record.window_tokens
+        self.seconds += record.step_time_ms / 1e3
+        rate = f"{self.tokens / self.seconds if self.seconds else 0.0:,.0f}"  # since start: less noisy
+        if self.progress is not None:
+            self.progress.update(
+                self.task,
+                completed=record.window + 1,
+                loss=fmt(record.loss),
+                tps=rate,
+                skipped=record.skipped,
+            )
+        elif (record.window + 1) % self.every == 0 or not record.applied:
+            note = "" if record.applied else f"  SKIPPED: {escape(record.skip_reason or '')}"
+            console.print(
+                f"step {record.window + 1}: loss {fmt(record.loss)}  lr {record.lr:.3g}  "
+                f"tokens {record.tokens:,}  {rate} tok/s{note}"
+            )
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def summary(self, result: TrainResult, resume: str) -> None:
+        from gradaccum.train.loop import RUNCARD_FILE
+        from gradaccum.train.records import LOSS_PNG, METRICS_FILE
+
+        losses = [r.loss for r in self.steps if r.loss is not None and r.applied]
+        p = result.progress
+        if losses:
+            head, tail = losses[: min(5, len(losses))], losses[-min(5, len(losses)) :]
+            console.print(
+                f"start loss {statistics.fmean(head):.4f} -> end loss {statistics.fmean(tail):.4f} "
+                f"(means of the first and last {count(len(tail), 'update')}; "
+                f"first {losses[0]:.4f}, last {losses[-1]:.4f})"
+            )
+        if result.eval_loss is not None:
+            console.print(f"eval loss {result.eval_loss:.4f}")
+        if result.critical_batch is not None:
+            console.print(escape(result.critical_batch))
+        # the same clock as the progress lines (time inside windows), then the whole wall time
+        in_windows = self.tokens / self.seconds if self.seconds else 0.0
+        console.print(
+            f"{result.stopped}: {count(p.windows, 'boundary')}, "
+            f"{count(p.steps_applied, 'update')} applied, "
+            f"{p.steps_skipped} skipped; {p.tokens_consumed:,} tokens consumed; {in_windows:,.0f} tok/s in "
+            f"training windows, {result.tokens_per_s:,.0f} tok/s over the {result.wall_s:,.1f} s wall time "
+            "(with checkpoints, evaluation and records)"
+            + (f"; loss scale {result.loss_scale:g}" if result.loss_scale is not None else "")
+        )
+        run_dir = result.run_dir
+        console.print(
+            escape(
+                f"records: {run_dir / RUNCARD_FILE}, {run_dir / METRICS_FILE}, {run_dir / LOSS_PNG}"
+                + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else "")
+            )
+        )
+        if result.stopped != "completed":
+            console.print(escape(f"resume with: {resume}"))
+
+
+def checkpoint_policy(cfg: TrainConfig) -> str:
+    when = []
+    if cfg.checkpoint_every is not None:
+        when.append(f"every {count(cfg.checkpoint_every, 'applied update')}")
+    if cfg.checkpoint_minutes is not None:
+        when.append(f"every {cfg.checkpoint_minutes:g} minutes")
+    cadence = " or ".join(when) + (", whichever comes first," if len(when) == 2 else "")
+    cadence = f"{cadence} and at the end" if when else "at the end only"
+    return (
+        f"checkpoints: {cadence} (and on SIGUSR1, SIGINT or SIGTERM); the newest "
+        f"{cfg.keep_checkpoints} kept in {cfg.run_dir / 'checkpoints'}"
+    )
+
+
+def fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
