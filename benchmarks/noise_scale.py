@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from paired import paired_ratios
 
 from gradaccum import Accumulator, split
 from gradaccum.examples import build_tiny_gpt, gpt_loss
@@ -52,20 +52,7 @@ def _runners(window: list[Any], clip: float | None) -> dict[str, Callable[[], ob
 
 def one_run(window: list[Any], rounds: int, clip: float | None) -> dict[str, float]:
     """Median over rounds of each step's time divided by the same round's ``off`` step."""
-    runners = _runners(window, clip)
-    names = list(runners)
-    ratios: dict[str, list[float]] = {name: [] for name in names if name != "off"}
-    for r in range(rounds + 3):  # the first 3 rounds warm up allocators and caches
-        order = names[r % len(names) :] + names[: r % len(names)]
-        took: dict[str, float] = {}
-        for name in order:
-            start = time.perf_counter()
-            runners[name]()
-            took[name] = time.perf_counter() - start
-        if r >= 3:
-            for name in ratios:
-                ratios[name].append(took[name] / took["off"])
-    return {name: statistics.median(values) for name, values in ratios.items()}
+    return paired_ratios(_runners(window, clip), "off", rounds)
 
 
 def cost(runs: int, rounds: int) -> None:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from paired import paired_ratios
 
 from gradaccum import Accumulator, split
 from gradaccum.examples import build_tiny_gpt, gpt_loss
@@ -109,20 +109,7 @@ def _runners(window: list[Any]) -> dict[str, Callable[[], object]]:
 
 def one_run(window: list[Any], rounds: int) -> dict[str, float]:
     """Median over rounds of each implementation's time divided by the same round's hand loop."""
-    runners = _runners(window)
-    names = list(runners)
-    ratios: dict[str, list[float]] = {name: [] for name in names if name != "hand"}
-    for r in range(rounds + 3):  # the first 3 rounds warm up allocators and caches
-        order = names[r % len(names) :] + names[: r % len(names)]
-        took: dict[str, float] = {}
-        for name in order:
-            start = time.perf_counter()
-            runners[name]()
-            took[name] = time.perf_counter() - start
-        if r >= 3:
-            for name in ratios:
-                ratios[name].append(took[name] / took["hand"])
-    return {name: statistics.median(values) for name, values in ratios.items()}
+    return paired_ratios(_runners(window), "hand", rounds)
 
 
 def main() -> None:
