@@ -167,31 +167,20 @@ def audit_count(
     rows_used = int(touched.reshape(rows, -1).any(dim=1).sum().item()) if out.ndim >= 2 else rows
     shape = tuple(int(s) for s in out.shape)
     declared = _declared_positions(count_fn, micro_batch)
-    if declared is not None:
-        # a count of sequences or documents over weighted token losses: the units are not positions,
-        # but the loss must still reach exactly the target positions it declares
-        if used == declared:
-            return CountAudit(status="consistent", counted=counted, used=used, rows=rows, output_shape=shape)
-        return CountAudit(
-            status="mismatch",
-            counted=counted,
-            used=used,
-            rows=rows,
-            output_shape=shape,
-            reason=(
-                f"the loss declares {declared} target positions but the model's output receives a gradient "
-                f"at {used}: its logits are not aligned with the labels (already shifted? set shift=False)"
-            ),
-        )
-    if used == counted:
+    # a count of sequences or documents over weighted token losses: the units are not positions,
+    # but the loss must still reach exactly the target positions it declares
+    expected = counted if declared is None else declared
+    if used == expected:
         return CountAudit(status="consistent", counted=counted, used=used, rows=rows, output_shape=shape)
+    if declared is None:
+        reason = _diagnose(counted, used, rows, rows_used, out.ndim)
+    else:
+        reason = (
+            f"the loss declares {declared} target positions but the model's output receives a gradient "
+            f"at {used}: its logits are not aligned with the labels (already shifted? set shift=False)"
+        )
     return CountAudit(
-        status="mismatch",
-        counted=counted,
-        used=used,
-        rows=rows,
-        output_shape=shape,
-        reason=_diagnose(counted, used, rows, rows_used, out.ndim),
+        status="mismatch", counted=counted, used=used, rows=rows, output_shape=shape, reason=reason
     )
 
 
