@@ -96,6 +96,9 @@ class Workload:
     """One line on what the workload is and what it should show."""
     declared_hazards: tuple[str, ...] = ()
     """Batch couplings the scan cannot see in the modules, e.g. ("in-batch-negatives",)."""
+    parallelize: Callable[[nn.Module, Any], nn.Module] | None = None
+    """parallelize(model, mesh): tensor-parallelize and shard the model on a DeviceMesh (as the
+    training job does), returning the module to step; what ``verify --mesh`` checks under torchrun."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Workload-specific objects other front ends may use: encode_fn and rep_loss_fn for
     verify --cached; documents (token-id sequences), seq_len and pad_id for verify --packed."""
