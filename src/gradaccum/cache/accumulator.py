@@ -106,6 +106,13 @@ class CachedAccumulator(EngineFace):
                 "backpropagates its share of one coupled loss), so there are no small batches to "
                 "measure. Leave noise_scale off here; estimate it on a per-example loss instead."
             )
+        if config.scaling != "pre":
+            raise CacheError(
+                f"scaling={config.scaling!r} is not supported by CachedAccumulator: its replays "
+                "backpropagate the cached gradient of one objective over the whole window, which "
+                "needs every representation (and so every micro-batch) before the first backward; "
+                "there is no summed per-micro-batch loss to scale afterwards. Leave scaling at 'pre'."
+            )
         if config.loss_reduction != "sum":
             raise CacheError(
                 f"loss_reduction={config.loss_reduction!r} has no meaning for CachedAccumulator: "

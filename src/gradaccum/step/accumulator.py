@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gradaccum.errors import ConfigError
 from gradaccum.step.checks import check_loss, unmean
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import (
@@ -26,6 +27,7 @@ from gradaccum.step.engine import (
 )
 from gradaccum.step.face import EngineFace
 from gradaccum.step.noise import NoiseScale
+from gradaccum.step.stream import declared_length
 
 __all__ = [
     "ZERO_COUNT",
@@ -112,9 +114,22 @@ class Accumulator(EngineFace):
         ``noise_scale=True``; a :class:`ConfigError` without. See :mod:`gradaccum.step.noise`."""
         return self._engine.noise_scale
 
-    def step(self, window: Iterable[Any], loss_fn: LossFn, count_fn: CountFn) -> StepResult:
-        """Accumulate the window's gradients exactly and apply one optimizer update."""
+    def step(
+        self, window: Iterable[Any], loss_fn: LossFn, count_fn: CountFn, *, length: int | None = None
+    ) -> StepResult:
+        """Accumulate the window's gradients exactly and apply one optimizer update.
+
+        With ``scaling="post"`` the window may be any iterable, consumed once, in order
+        (:mod:`gradaccum.step.stream`); ``length``: its number of micro-batches, when known (the
+        step then reads none ahead, and takes exactly that many from a longer iterator)."""
         engine = self._engine
+        if engine.config.scaling == "post":
+            return self._step_post(window, loss_fn, count_fn, declared_length(window, length))
+        if length is not None:
+            raise ConfigError(
+                f"length={length!r} declares a streamed window's size and applies with scaling='post'; "
+                "with scaling='pre' the step reads the whole window first. Drop length=."
+            )
         micro_batches, failure = engine.open(window)
         counted = engine.count(micro_batches, count_fn, failure)
         engine.zero_grad()
@@ -140,4 +155,30 @@ class Accumulator(EngineFace):
             return Contribution(contribution, loss.detach())
 
         accumulated = engine.accumulate(micro_batches, contribute)
+        return engine.conclude(counted, accumulated)
+
+    def _step_post(
+        self, window: Iterable[Any], loss_fn: LossFn, count_fn: CountFn, length: int | None
+    ) -> StepResult:
+        """Post-scaling: each micro-batch backpropagates c * its summed loss as it arrives; the
+        engine multiplies the gradients by W/(N c) once the window is done."""
+        engine = self._engine
+        engine.zero_grad()
+        model, scaler = engine.model, engine.scaler
+        mean = engine.config.loss_reduction == "mean"
+        scales: dict[torch.dtype, torch.Tensor] = {}
+
+        def contribute(i: int, mb: Any, count: int | torch.Tensor, c: torch.Tensor) -> Contribution:
+            loss = check_loss(loss_fn(model, mb), i)
+            if mean:
+                loss = unmean(loss, count, i)
+            scale = scales.get(loss.dtype)
+            if scale is None:  # c is a power of two: exact in every float dtype
+                scale = scales[loss.dtype] = c.to(loss.dtype)
+            contribution = loss * scale
+            if scaler is not None:
+                contribution = scaler.scale(contribution)
+            return Contribution(contribution, loss.detach())
+
+        counted, accumulated = engine.stream(window, contribute, count_fn, length=length)
         return engine.conclude(counted, accumulated)

@@ -17,12 +17,14 @@ from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
 from gradaccum.values import require_int
 
-__all__ = ["SYNC_POLICIES", "AccumConfig", "LossReduction", "StepResult", "SyncPolicy"]
+__all__ = ["SCALINGS", "SYNC_POLICIES", "AccumConfig", "LossReduction", "Scaling", "StepResult", "SyncPolicy"]
 
 LossReduction = Literal["sum", "mean"]
 _REDUCTIONS = ("sum", "mean")
 SyncPolicy = Literal["defer", "defer_replicate", "every"]
 SYNC_POLICIES = ("defer", "defer_replicate", "every")
+Scaling = Literal["pre", "post"]
+SCALINGS = ("pre", "post")
 
 
 def _bool(name: str, value: object) -> None:
@@ -74,6 +76,14 @@ class AccumConfig:
     ``Accumulator.noise_scale`` (see :mod:`gradaccum.step.noise`). The update does not change; it
     costs a norm per parameter per micro-batch and, under DDP with ``agree_on_failure=True``, one
     small all-reduce per update. One process and DDP only (not FSDP, not gradient caching)."""
+    scaling: Scaling = "pre"
+    """When the gradient is divided by the global count N. ``pre``: every micro-batch is counted
+    before the first forward and backpropagates its summed loss times W/N (the window is held in
+    full). ``post``: the micro-batches are consumed one at a time from any iterable (memory
+    independent of k), each backpropagates its summed loss times a fixed power of two, the count
+    accumulates on the device, and the gradients are multiplied once by W/(N c) after the last
+    backward; under DDP one small all-reduce, before the synchronizing backward, carries the count.
+    See :mod:`gradaccum.step.stream`."""
 
     def __post_init__(self) -> None:
         norm = self.max_grad_norm
@@ -96,6 +106,11 @@ class AccumConfig:
             raise ConfigError(
                 f"AccumConfig(defer_sync=False, sync_policy={self.sync_policy!r}) contradict each other: "
                 "defer_sync=False reduces every micro-batch; leave defer_sync at True to defer"
+            )
+        if self.scaling not in SCALINGS:
+            raise ConfigError(
+                f"AccumConfig.scaling must be 'pre' (count the window first) or 'post' (stream it, "
+                f"scale the gradients once after it), got {self.scaling!r}"
             )
         for name in ("defer_sync", "track_grad_norm", "skip_nonfinite", "agree_on_failure", "noise_scale"):
             _bool(name, getattr(self, name))

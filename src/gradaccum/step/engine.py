@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -64,13 +64,16 @@ from gradaccum.step.agreement import (
     raise_alone,
     raise_from_sync_backward,
     raise_mismatch,
+    raise_unreached,
     rank_settings,
+    unreached_parameters,
 )
 from gradaccum.step.checks import as_count, check_window_shapes
 from gradaccum.step.config import AccumConfig, StepResult, SyncPolicy
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.noise import NoiseScale, NoiseScaleMeter
-from gradaccum.step.norms import clip_grads_, nonfinite_flag, total_norm, uniform_plain
+from gradaccum.step.norms import clip_grads_, nonfinite_flag, scale_grads_, total_norm, uniform_plain
+from gradaccum.step.stream import DeviceStepResult, post_constant, reads_found_inf, with_last
 from gradaccum.values import require_int
 
 __all__ = [
@@ -81,6 +84,7 @@ __all__ = [
     "Contribution",
     "CountFn",
     "Observer",
+    "StreamContribute",
     "WindowCount",
     "WindowEngine",
 ]
@@ -117,6 +121,9 @@ class WindowCount:
     factor: float
     """The W of W/N: what the model's gradient reductions divide by (1 for a plain module; see
     :func:`gradaccum.mesh.reduction.averaging_factor`)."""
+    post: torch.Tensor | None = None
+    """Post-scaling's constant c (0-dim float64): the backward ran on c * summed loss, and the
+    gradients still need W/(N c) (:mod:`gradaccum.step.stream`); ``None`` under pre-scaling."""
 
     @property
     def empty(self) -> bool:
@@ -146,6 +153,8 @@ class Contribution(NamedTuple):
 
 Contribute = Callable[[int, Any], Contribution]
 """``contribute(index, micro_batch)``: run the forward of one micro-batch, return its contribution."""
+StreamContribute = Callable[[int, Any, "int | torch.Tensor", torch.Tensor], Contribution]
+"""``contribute(index, micro_batch, count, c)`` under post-scaling: the forward, backprop = c * sum."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +193,8 @@ class CountTotals:
     """DDP ranks whose next forward broadcasts module buffers (all or none must)."""
     fingerprint: list[float]
     """The settings and model fingerprint (:func:`gradaccum.step.agreement.fingerprint`)."""
+    missed_ranks: float = 0.0
+    """Post-scaling under DDP: ranks whose synchronizing backward would miss a parameter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +304,20 @@ class WindowEngine:
         self._settings = rank_settings(settings, model) if same_model else settings
         self._fingerprint = fingerprint(self._settings) if self._distributed else []
         self._noise = self._noise_meter() if config.noise_scale else None
+        self._post = config.scaling == "post"
+        if self._post:
+            self._check_post()
+        # post-scaling with a found_inf optimizer decides the skip on the device; the counters of
+        # the updates it decided stay there too, [applied, skipped, consecutive], until read
+        self._on_device = self._post and self._decides_on_device()
+        self._device_counters: torch.Tensor | None = None
+        self._expected: torch.Tensor | None = None  # post-scaling: the last window's N / F (on the device)
+        # DDP that broadcasts buffers in a window's first forward (the same on every rank)
+        self._broadcasts = (
+            self.kind == "ddp"
+            and bool(getattr(self._synced, "broadcast_buffers", False))
+            and any(True for _ in self._synced.buffers())
+        )
 
     def _read_mesh(self, mesh: Any, mesh_dims: Mapping[str, str] | None, pipeline: bool) -> MeshLayout | None:
         """The mesh by role, checked against the model and the process group (see :mod:`gradaccum.mesh`)."""
@@ -326,6 +351,36 @@ class WindowEngine:
         self._distributed = dist.is_distributed()
         return layout
 
+    def _check_post(self) -> None:
+        """Refuse what post-scaling cannot do, before the first window."""
+        config = self.config
+        if config.noise_scale:
+            raise ConfigError(
+                "noise_scale=True is not supported with scaling='post': the estimate reads each "
+                "micro-batch's gradient scaled by W/N, which post-scaling knows only after the window. "
+                "Measure the noise scale with scaling='pre'."
+            )
+        if self._distributed and self.kind != "local" and self._policy != "defer":
+            raise ConfigError(
+                f"scaling='post' under torch.distributed needs sync_policy='defer' and defer_sync=True "
+                f"(got {self._policy!r}): a rank does not know its window's length before its last "
+                "micro-batch, so only the last backward may synchronize."
+            )
+
+    def _decides_on_device(self) -> bool:
+        """Whether the skip decision can stay on the device (see :mod:`gradaccum.step.stream`):
+        the optimizer reads ``found_inf``, and nothing else needs the verdict on the host (a
+        scheduler must not advance on a skipped update, ``max_consecutive_skips`` counts skips, a
+        GradScaler keeps its own found_inf)."""
+        return (
+            reads_found_inf(self.optimizer)
+            and self.scaler is None
+            and self.scheduler is None
+            and self.config.max_consecutive_skips is None
+            and self.layout is None
+            and self.kind in ("local", "ddp")
+        )
+
     def _noise_meter(self) -> NoiseScaleMeter:
         if self.kind in ("fsdp", "fsdp2"):
             raise ConfigError(
@@ -351,7 +406,19 @@ class WindowEngine:
 
     def state_dict(self) -> dict[str, int]:
         """The counters a resumed run needs: applied and skipped updates, consecutive skips."""
+        self.settle_counters()
         return {key: int(getattr(self, key)) for key in _STATE_KEYS}
+
+    def settle_counters(self) -> None:
+        """Add the updates decided on the device to the host counters (one host read, if any)."""
+        if self._device_counters is None:
+            return
+        applied, skipped, consecutive = (int(v) for v in self._device_counters.tolist())
+        self._device_counters = None
+        self.steps_applied += applied
+        self.steps_skipped += skipped
+        if applied or skipped:
+            self.consecutive_skips = consecutive
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s counters, refusing missing, unknown or negative values."""
@@ -366,6 +433,7 @@ class WindowEngine:
                 f"accumulator state has consecutive_skips={state['consecutive_skips']} > "
                 f"steps_skipped={state['steps_skipped']}: not a state a run can reach"
             )
+        self._device_counters = None
         for key in _STATE_KEYS:
             setattr(self, key, state[key])
 
@@ -425,24 +493,32 @@ class WindowEngine:
             if not micro_batches:
                 raise WindowError("the window is empty: step needs at least one micro-batch")
             return WindowCount(counts, local_count, local_count, None, min_count, 1, self.factor)
-        return self._agree_on_counts(micro_batches, counts, local_count, min_count, failure)
+        return self._agree_on_counts(len(micro_batches), counts, local_count, min_count, failure)[0]
 
     def _agree_on_counts(
         self,
-        micro_batches: list[Any],
+        k: int,
         counts: list[int | torch.Tensor],
         local_count: torch.Tensor,
         min_count: torch.Tensor | None,
         failure: LocalFailure | None,
-    ) -> WindowCount:
+        *,
+        post: torch.Tensor | None = None,
+        tally: torch.Tensor | None = None,
+        piece: Contribution | None = None,
+        index: int = 0,
+    ) -> tuple[WindowCount, list[float] | None]:
         """Collective 1: N, and everything every rank must know before its first forward.
+
+        Under post-scaling the same all-reduce is the meeting before the synchronizing backward
+        (``post``: the constant c): it also carries the window's loss ``tally`` (returned summed)
+        and, under DDP, whether ``piece``'s backward would miss a parameter DDP waits for.
 
         On a mesh the sums run over every rank, and ranks that hold the same tokens (TP, and the
         stages of one pipeline) add the same count R times: N is the sum over R. That they agree
         is checked in the same all-reduce: each rank adds its count c and c^2 at its data index d,
         and the R ranks at d agree iff R * sum(c^2) == (sum c)^2.
         """
-        k = len(micro_batches)
         world = dist.world_size(self.dp_group)
         replicas = self._count_replicas
         ledger = Ledger(self.device)
@@ -457,6 +533,15 @@ class WindowEngine:
         ledger.add("fingerprint", self._fingerprint)
         if replicas > 1:
             ledger.add("replica_counts", self._at_data_index(local_count, k))
+        missed: list[str] = []
+        if post is not None:
+            if failure is not None and dist.looks_like_comm_failure(failure.error):
+                raise_alone(failure, recoverable=False)  # a peer is gone: meeting would wait for the timeout
+            if failure is None and piece is not None and self._reduced_params:
+                unreached = unreached_parameters(piece.backprop, [p for _, p in self._reduced_params])
+                missed = [self._reduced_params[j][0] for j in unreached]
+            ledger.add("missed_ranks", bool(missed))
+            ledger.add("tally", self._zero.new_zeros(2) if tally is None else tally)
         settled = ledger.settle(self.dp_group, what="the window's counts")
         totals = settled.unpack(CountTotals)
         if replicas > 1:
@@ -467,6 +552,9 @@ class WindowEngine:
         if totals.failed_ranks:
             self.zero_grad()
             raise_agreed(failure, int(totals.failed_ranks), int(totals.oom_ranks), self.dp_group)
+        if totals.missed_ranks:
+            self.zero_grad()
+            raise_unreached(missed, index, self.dp_group)
         check_buffer_broadcasts(int(totals.broadcasting_ranks), world)
         check_window_shapes(
             world,
@@ -483,7 +571,9 @@ class WindowEngine:
         if replicas > 1:  # exact: the R ranks at each data index agree, so the sum is R * N
             global_count = global_count / replicas
         n = int(totals.global_count) // replicas
-        return WindowCount(counts, local_count, global_count, n, min_count, world, self.factor)
+        reduced = settled.value("tally") if post is not None else None
+        counted = WindowCount(counts, local_count, global_count, n, min_count, world, self.factor, post)
+        return counted, reduced  # type: ignore[return-value]
 
     def _at_data_index(self, local_count: torch.Tensor, k: int) -> torch.Tensor:
         """[c, c^2, k, k^2] at this rank's data index, zeros elsewhere (see :meth:`_agree_on_counts`)."""
@@ -580,6 +670,177 @@ class WindowEngine:
         rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self._zero
         return Accumulated(loss, rejected, False, len(micro_batches))
 
+    def stream(
+        self, window: Iterable[Any], contribute: StreamContribute, count_fn: CountFn, *, length: int | None
+    ) -> tuple[WindowCount, Accumulated]:
+        """Post-scaling's phases 1-3 in one pass: read, count, forward and backward each micro-batch
+        as it arrives (:mod:`gradaccum.step.stream`), sync deferred to the last.
+
+        Counts add up on the device. Under torch.distributed the ranks meet once, before the
+        synchronizing backward (a rank that failed, or whose window ended empty, comes straight
+        there): that one small all-reduce carries N, the loss, the failures, the window shapes and
+        the fingerprint, so every rank refuses together what would hang. ``length``: the window's
+        declared number of micro-batches, or ``None`` to read one ahead.
+        """
+        self._distributed = distributed = dist.is_distributed(self.dp_group)
+        model, kind = self.model, self.kind
+        if kind == "ddp":
+            check_sync_on(model)
+        if distributed and kind in ("fsdp", "fsdp2"):
+            self._agree_on_length(length)
+        counts: list[int | torch.Tensor] = []
+        host_count = 0
+        device_count: torch.Tensor | None = None
+        min_count: torch.Tensor | None = None
+        loss = self._zero
+        c: torch.Tensor | None = None
+        failure: LocalFailure | None = None
+        k = 0
+        resync = self._resync
+        pieces = with_last(window, length)
+        self.emit("window_start", length or 0)
+        ahead: list[tuple[int, Any, bool] | None] = []
+        if distributed and self._broadcasts:
+            ahead.append(self._read_first(pieces))
+        while True:
+            try:
+                item = ahead.pop() if ahead else next(pieces, None)
+            except Exception as exc:
+                if not distributed:
+                    self.zero_grad()
+                    raise
+                failure, item = LocalFailure(exc, "reading the window", k), None
+            if item is None:
+                break
+            i, mb, last = item
+            k = i + 1
+            self.emit("micro_start", i)
+            syncs = last or (i == 0 and resync)
+            piece: Contribution | None = None
+            with sync_deferred(model, kind, enabled=not syncs):
+                phase = "count_fn"
+                try:
+                    count = as_count(count_fn(mb), i)
+                    counts.append(count)
+                    if isinstance(count, int):
+                        host_count += count
+                    else:
+                        value = count.to(device=self.device, dtype=torch.float64).reshape(())
+                        device_count = value if device_count is None else device_count + value
+                        min_count = value if min_count is None else torch.minimum(min_count, value)
+                    if c is None:
+                        c = post_constant(
+                            count, length, self.device, expected=self._expected, distributed=distributed
+                        )
+                    phase = "forward"
+                    piece = contribute(i, mb, count, c)
+                    if piece.loss is not None:
+                        loss = loss + piece.loss.to(torch.float64)
+                    if not syncs:
+                        phase = "backward"
+                        self.backward(piece.backprop)
+                except Exception as exc:
+                    failure = LocalFailure(exc, phase, i)
+                if distributed and (last or failure is not None):
+                    local = self._local_count(host_count, device_count)
+                    counted, reduced = self._meet_streamed(
+                        k, counts, local, min_count, failure, post=c, piece=piece, index=i,
+                        tally=torch.stack([loss, self._zero]),
+                    )  # fmt: skip
+                    if syncs and piece is not None:
+                        self._sync_backward(piece.backprop, i)
+                    self.emit("micro_end", i)
+                    assert reduced is not None
+                    self._expected = counted.global_count / self.factor
+                    tallied = torch.tensor(reduced, dtype=torch.float64, device=self.device)
+                    return counted, Accumulated(tallied[0], tallied[1], True, k)
+                if distributed and syncs:  # the resynchronizing first micro-batch of a longer window
+                    self._agree(None, i, piece, self._tally([], []))
+                elif failure is not None:
+                    self._fail_alone(failure)
+                if syncs and piece is not None:
+                    self._sync_backward(piece.backprop, i)
+            self.emit("micro_end", i)
+            if last:
+                break
+        local = self._local_count(host_count, device_count)
+        if distributed:  # the window ended before a last micro-batch: empty, or a read failed
+            if c is None:
+                c = self._zero + 1
+            self._meet_streamed(k, counts, local, min_count, failure, post=c, index=k)
+            raise AssertionError("unreachable: an empty window or a failure raises on every rank")
+        if not k:
+            raise WindowError("the window is empty: step needs at least one micro-batch")
+        assert c is not None
+        counted = WindowCount(counts, local, local, None, min_count, 1, self.factor, c)
+        self._expected = local / self.factor
+        return counted, Accumulated(loss, self._zero, False, k)
+
+    def _meet_streamed(self, *args: Any, **kwargs: Any) -> tuple[WindowCount, list[float] | None]:
+        """The post-scaling meeting (:meth:`_agree_on_counts`); after a raise there, DDP expects the
+        backward of the synchronizing forward some ranks completed, so the next window resyncs."""
+        try:
+            return self._agree_on_counts(*args, **kwargs)
+        except BaseException:
+            self._resync = self.kind == "ddp"
+            raise
+
+    def _read_first(self, pieces: Iterator[tuple[int, Any, bool]]) -> tuple[int, Any, bool] | None:
+        """DDP with buffers to broadcast: the window's first forward broadcasts them, a collective
+        that a rank whose window failed to read, or is empty, would never join. So the ranks read
+        their first micro-batch and meet before that forward (one small all-reduce more, only for
+        such models: ``broadcast_buffers=False`` avoids it where the buffers are constant)."""
+        failure: LocalFailure | None = None
+        first: tuple[int, Any, bool] | None = None
+        try:
+            first = next(pieces, None)
+        except Exception as exc:
+            failure = LocalFailure(exc, "reading the window", 0)
+        world = dist.world_size(self.dp_group)
+        ledger = Ledger(self.device)
+        ledger.add("failed", failure is not None)
+        ledger.add("oom", failure is not None and failure.oom)
+        ledger.add("empty", first is None and failure is None)
+        ledger.add("broadcasting", self._synced.will_sync_module_buffers())  # type: ignore[operator]
+        settled = ledger.settle(self.dp_group, what="the first micro-batches, before DDP's buffer broadcast")
+        names = ("failed", "oom", "empty", "broadcasting")
+        failed, oom, empty, broadcasting = (int(settled.value(n)) for n in names)  # type: ignore[arg-type]
+        if failed:
+            self.zero_grad()
+            raise_agreed(failure, failed, oom, self.dp_group)
+        check_buffer_broadcasts(broadcasting, world)
+        if empty:
+            check_window_shapes(
+                world, 0 if first is None else 1, empty, 0, 0, defer_sync=True, kind=self.kind
+            )
+        return first
+
+    def _local_count(self, host_count: int, device_count: torch.Tensor | None) -> torch.Tensor:
+        if device_count is None:
+            return torch.tensor(float(host_count), dtype=torch.float64, device=self.device)
+        return device_count + host_count if host_count else device_count
+
+    def _agree_on_length(self, length: int | None) -> None:
+        """FSDP under post-scaling: every rank's forward all-gathers parameters, so a rank that ran
+        out of micro-batches early could not meet the others later. The declared lengths are
+        compared before the first forward, on every rank (one small all-reduce)."""
+        ledger = Ledger(self.device)
+        k = 0 if length is None else length
+        ledger.add("unknown", length is None)
+        ledger.add("k", k)
+        ledger.add("k_squared", k * k)
+        settled = ledger.settle(self.dp_group, what="the windows' declared lengths")
+        unknown, k_sum, k_sq = (float(settled.value(name)) for name in ("unknown", "k", "k_squared"))  # type: ignore[arg-type]
+        world = dist.world_size(self.dp_group)
+        if unknown or world * k_sq != k_sum * k_sum:
+            self.zero_grad()
+            raise WindowError(
+                f"scaling='post' under {self.kind.upper()} needs every rank to declare the same window "
+                f"length ({int(unknown)} of {world} ranks did not declare one (a list, or "
+                f"step(..., length=k)); this rank declared {length}, {int(k_sum)} in all): FSDP "
+                "all-gathers parameters in every forward, so the ranks must run equally many."
+            )
+
     def conclude(
         self,
         counted: WindowCount,
@@ -597,6 +858,10 @@ class WindowEngine:
         self.emit("optimizer_start", 0)
         params = [p for p in self._params if p.grad is not None]
         grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        if counted.post is not None:  # post-scaling: the backward ran on c * sum; now times W/(N c)
+            scale_grads_(grads, counted.scale() / counted.post)
+            if self._on_device and objective is None and rejection is None:
+                return self._conclude_on_device(counted, accumulated, params, grads)
         norm, gradient = self._gradient_check(grads)
         totals, norm = self._settle(counted, accumulated, objective, gradient, norm)
         n_global, local_n, k = int(totals.global_count), int(totals.local_count), accumulated.micro_batches
@@ -632,6 +897,60 @@ class WindowEngine:
             grad_norm=norm_host if (norm is not None and self.config.wants_norm) else None,
             applied=True,
             step=self.steps_applied,
+        )
+        for hook in self.on_step:
+            hook(result)
+        self.emit("optimizer_end", 0)
+        return result
+
+    def _conclude_on_device(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        params: Sequence[torch.Tensor],
+        grads: list[torch.Tensor],
+    ) -> StepResult:
+        """Phase 4 without a host read: the skip is a device flag the fused optimizer reads
+        (``found_inf``); the result and the counters are read when asked."""
+        config = self.config
+        norm, gradient = self._gradient_check(grads)
+        n = counted.global_count
+        bad = ~torch.isfinite(accumulated.loss) | (n == 0)
+        if counted.min_count is not None:
+            bad = bad | (counted.min_count < 0)
+        if config.skip_nonfinite and gradient is not None:
+            # a norm is finite and a fused flag zero exactly when every gradient is finite
+            bad = bad | (~torch.isfinite(gradient) if norm is not None else gradient != 0)
+        if config.max_grad_norm is not None and norm is not None:
+            clip_grads_(params, config.max_grad_norm, norm)
+        found = bad.to(torch.float32)
+        optimizer: Any = self.optimizer
+        optimizer.found_inf = found
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        applied = (~bad).to(torch.float64)
+        counters = self._device_counters
+        if counters is None:
+            counters = torch.tensor(
+                [0.0, 0.0, float(self.consecutive_skips)], dtype=torch.float64, device=self.device
+            )
+        # [applied, skipped, consecutive]: a skip adds one to the run of skips, an update ends it
+        self._device_counters = torch.stack(
+            [counters[0] + applied, counters[1] + 1 - applied, (counters[2] + 1) * (1 - applied)]
+        )
+        missing = torch.full((), math.nan, dtype=torch.float64, device=self.device)
+        negative = self._zero if counted.min_count is None else (counted.min_count < 0).to(torch.float64)
+        values = torch.stack([
+            accumulated.loss, n.to(torch.float64), counted.local_count, applied, self._device_counters[0],
+            missing if norm is None else norm.to(torch.float64), negative,
+        ])  # fmt: skip
+        result = DeviceStepResult(
+            values,
+            micro_batches=accumulated.micro_batches,
+            step_base=self.steps_applied,
+            wants_norm=config.wants_norm,
         )
         for hook in self.on_step:
             hook(result)

@@ -72,12 +72,15 @@ class EngineFace:
 
     @property
     def steps_applied(self) -> int:
+        self._engine.settle_counters()  # updates decided on the device are read here
         return self._engine.steps_applied
 
     @property
     def steps_skipped(self) -> int:
+        self._engine.settle_counters()  # updates decided on the device are read here
         return self._engine.steps_skipped
 
     @property
     def consecutive_skips(self) -> int:
+        self._engine.settle_counters()  # updates decided on the device are read here
         return self._engine.consecutive_skips

@@ -18,6 +18,7 @@ __all__ = [
     "local_grads_finite",
     "local_part",
     "nonfinite_flag",
+    "scale_grads_",
     "total_norm",
     "uniform_plain",
 ]
@@ -27,6 +28,8 @@ _foreach_norm = getattr(torch, "_foreach_norm", None)
 # GradScaler's fused non-finite check (``torch.amp.GradScaler.unscale_`` calls it); kept behind a
 # getattr so that a torch without it falls back to the norm
 _nonfinite_check = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+# the foreach multiply (what clip_grads_with_norm_ and torch.optim use), behind a getattr likewise
+_foreach_mul_ = getattr(torch, "_foreach_mul_", None)
 
 
 def uniform_plain(tensors: Sequence[torch.Tensor]) -> bool:
@@ -78,6 +81,24 @@ def nonfinite_flag(grads: Sequence[torch.Tensor], *, uniform: bool) -> torch.Ten
     found = torch.zeros(1, dtype=torch.float32, device=device)
     _nonfinite_check(list(grads), found, torch.ones(1, dtype=torch.float32, device=device))
     return found.reshape(())
+
+
+def scale_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient in place by the 0-dim ``factor`` (on the device: no host read), one
+    foreach multiply per device and dtype; the factor is cast to each gradient's dtype once, so a
+    float64 gradient is multiplied by the full-precision factor. DTensor gradients (FSDP2's shards
+    after the reduce-scatter) are multiplied shard by shard."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in groups.items():
+        cast = factor.to(device=device, dtype=dtype)
+        plain = all(type(g) is torch.Tensor for g in group)
+        if _foreach_mul_ is not None and plain:
+            _foreach_mul_(group, cast)
+        else:
+            for g in group:
+                g.mul_(cast)
 
 
 def clip_grads_(parameters: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
