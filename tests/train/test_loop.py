@@ -130,3 +130,16 @@ def test_too_many_consecutive_skips_stop_the_run_with_a_clear_message(tmp_path: 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["window"], r["applied"]) for r in records] == [(0, True), (1, False), (2, False)]
     assert (tmp_path / "loss.png").is_file()
+
+
+def test_post_scaling_trains_the_same_run(tmp_path: Path) -> None:
+    # float64, AdamW: the two modes agree to Adam's amplified roundoff (see
+    # tests/equivalence/test_post_scaling.py, ADAM_TOL), through warmup, cosine and clipping
+    runs = {}
+    for scaling in ("pre", "post"):
+        cfg = config(tmp_path / scaling, steps=4, accum=AccumConfig(max_grad_norm=1.0, scaling=scaling))
+        result = train(cfg)
+        assert result.progress.steps_applied == 4
+        runs[scaling] = final_params(result)
+    for name, value in runs["pre"].items():
+        assert torch.allclose(runs["post"][name], value, rtol=1e-10, atol=1e-12), name

@@ -63,7 +63,7 @@ def test_flags_reach_the_config(tmp_path: Path) -> None:
         *("--max-grad-norm", "0", "--max-consecutive-skips", "2", "--schedule", "constant"),
         *("--schedule-clock", "tokens", "--warmup", "7", "--checkpoint-every", "0"),
         *("--checkpoint-minutes", "0", "--keep-checkpoints", "5", "--eval-every", "4"),
-        *("--eval-examples", "8", "--noise-scale"),
+        *("--eval-examples", "8", "--noise-scale", "--scaling", "post"),
     )
     config = resolve_spec(spec_from_args(args), world=2, device="cpu", run_dir=tmp_path, resume=None).config
     assert (config.plan.micro_batch, config.plan.accum_steps, config.plan.dp) == (4, 2, 2)
@@ -71,7 +71,7 @@ def test_flags_reach_the_config(tmp_path: Path) -> None:
     assert (config.steps, config.tokens, config.weight_decay) == (None, 500, 0.1)
     # 0 turns clipping and each checkpoint trigger off
     assert config.accum.max_grad_norm is None and config.accum.max_consecutive_skips == 2
-    assert config.accum.noise_scale and config.accum.track_grad_norm
+    assert config.accum.noise_scale and config.accum.track_grad_norm and config.accum.scaling == "post"
     assert (config.checkpoint_every, config.checkpoint_minutes, config.keep_checkpoints) == (None, None, 5)
     assert (config.eval_every, config.eval_examples) == (4, 8)
     assert (config.schedule.kind, config.schedule.clock, config.schedule.warmup) == ("constant", "tokens", 7)
@@ -89,6 +89,8 @@ def test_the_spec_refuses_bad_values_naming_them() -> None:
         TrainSpec(lr=0)
     with pytest.raises(TrainError, match="min_lr_ratio must be a fraction from 0 to 1"):
         TrainSpec(min_lr_ratio=1.5)
+    with pytest.raises(TrainError, match="scaling must be one of pre, post, got 'late'"):
+        TrainSpec(scaling="late")  # type: ignore[arg-type]
     with pytest.raises(TrainError, match="checkpoint_every must be a non-negative integer, got True"):
         TrainSpec(checkpoint_every=True)
 

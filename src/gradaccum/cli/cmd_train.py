@@ -195,6 +195,14 @@ def _add_optimizer(opt: argparse._ArgumentGroup) -> None:
         "logged per step and in the summary and run card; the update is unchanged",
     )
     opt.add_argument(
+        "--scaling",
+        choices=("pre", "post"),
+        default=None,
+        help="pre: count each window before its first backward (default, or the run card's); post: "
+        "stream the micro-batches and scale the gradients once after the window (the same update, "
+        "memory independent of the accumulation steps)",
+    )
+    opt.add_argument(
         "--schedule-clock",
         choices=("steps", "tokens"),
         default="steps",

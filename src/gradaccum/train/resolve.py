@@ -68,6 +68,7 @@ _RESOLVED = frozenset(
         "horizon",
         "min_lr_ratio",
         "noise_scale",
+        "scaling",
         "checkpoint_every",
         "checkpoint_minutes",
     }
@@ -129,6 +130,7 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
         track_grad_norm=True,
         max_consecutive_skips=_given(spec.max_consecutive_skips, DEFAULT_MAX_SKIPS),
         noise_scale=spec.noise_scale,
+        scaling=_given(spec.scaling, "pre"),
     )
     fixed = {
         "workload": _given(spec.workload, DEFAULT_WORKLOAD),
@@ -167,13 +169,17 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
             f"run card {path} names optimizer {card.optimizer} but no lr; it cannot be trained "
             "as recorded (write lr into the card, or run accept again)"
         )
-    # track_grad_norm and noise_scale only add figures to the records; they do not change the update
+    # track_grad_norm and noise_scale only add figures to the records; they do not change the update,
+    # nor does scaling (pre- and post-scaling agree to float roundoff: tests/equivalence)
     fixed = {
         "workload": card.workload,
         "precision": card.precision,
         "seed": card.seed,
         "accum": replace(
-            card.accum, track_grad_norm=True, noise_scale=card.accum.noise_scale or spec.noise_scale
+            card.accum,
+            track_grad_norm=True,
+            noise_scale=card.accum.noise_scale or spec.noise_scale,
+            scaling=_given(spec.scaling, card.accum.scaling),
         ),
         "optimizer": card.optimizer,
         "lr": card.lr if card.lr is not None else DEFAULT_LR,

@@ -144,6 +144,9 @@ class TrainSpec:
     """The cosine's floor as a fraction of the peak."""
     noise_scale: bool = False
     """Estimate the gradient noise scale from the micro-batches (the update is unchanged)."""
+    scaling: Literal["pre", "post"] | None = None
+    """``pre``: count each window before its first backward; ``post``: stream it and scale the
+    gradients once after it (the same update); ``None``: the run card's, else ``pre``."""
     fsdp: bool = False
     """Shard with FSDP2 instead of DDP."""
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
@@ -168,6 +171,7 @@ class TrainSpec:
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("schedule", self.schedule, ("cosine", "constant"), none_ok=False)
+        _choice("scaling", self.scaling, ("pre", "post"))
         _choice("schedule_clock", self.schedule_clock, ("steps", "tokens"), none_ok=False)
         _number("lr", self.lr, above=0.0)
         for name in ("weight_decay", "max_grad_norm", "checkpoint_minutes"):
