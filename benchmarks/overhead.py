@@ -99,17 +99,41 @@ def _runners(window: list[Any]) -> dict[str, Callable[[], object]]:
     copy_model = build_tiny_gpt(0)
     copy_opt = _optimizer(copy_model)
     runners["hand copy"] = lambda: hand_loop(copy_model, copy_opt, window)  # the noise floor
-    for name, kwargs in (("gradaccum", {}), ("no check", {"skip_nonfinite": False})):
+    for name, kwargs in (
+        ("gradaccum", {}),
+        ("no check", {"skip_nonfinite": False}),
+        ("post", {"scaling": "post"}),
+    ):
         model = build_tiny_gpt(0)
         acc = Accumulator(model, _optimizer(model), **kwargs)
         runners[name] = lambda acc=acc: acc.step(window, gpt_loss, count)
+    # post-scaling fed an iterator (it reads one micro-batch ahead)
+    model = build_tiny_gpt(0)
+    acc = Accumulator(model, _optimizer(model), scaling="post")
+    runners["post iter"] = lambda acc=acc: acc.step(iter(window), gpt_loss, count)
     runners.update(_peers(window))
     return runners
 
 
+def _fused_runners(window: list[Any]) -> dict[str, Callable[[], object]]:
+    """Post-scaling with its decision on the device: fused AdamW against a hand loop with the same."""
+    hand = build_tiny_gpt(0)
+    hand_opt = torch.optim.AdamW(hand.parameters(), lr=1e-3, fused=True)
+    model = build_tiny_gpt(0)
+    acc = Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), scaling="post")
+    return {
+        "hand fused": lambda: hand_loop(hand, hand_opt, window),
+        "post fused": lambda: acc.step(window, gpt_loss, count),
+    }
+
+
 def one_run(window: list[Any], rounds: int) -> dict[str, float]:
-    """Median over rounds of each implementation's time divided by the same round's hand loop."""
-    return paired_ratios(_runners(window), "hand", rounds)
+    """Median over rounds of each implementation's time divided by the same round's hand loop
+    (the fused pair: by the same round's fused hand loop)."""
+    return {
+        **paired_ratios(_runners(window), "hand", rounds),
+        **paired_ratios(_fused_runners(window), "hand fused", rounds),
+    }
 
 
 def main() -> None:
@@ -125,7 +149,9 @@ def main() -> None:
     )
     print(
         "gradaccum = Accumulator as shipped (non-finite check on); no check = skip_nonfinite=False; "
-        "hand copy = a second hand loop (what an A/A pair measures)"
+        "hand copy = a second hand loop (what an A/A pair measures); post = scaling='post' on the "
+        "list, post iter = on iter(window); post fused = scaling='post' with AdamW(fused=True) "
+        "(the update decided on the device), paired with a hand loop with the same fused AdamW"
     )
     for k, micro, seq_len in SIZES:
         batch = sample_sequences(micro * k, seed=0, max_len=seq_len, min_len=seq_len // 2)

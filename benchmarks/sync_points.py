@@ -66,6 +66,22 @@ def _rows(rank: int, world: int, updates: int) -> list[tuple[str, Any]]:
         rows.append(
             (f"Accumulator, {label}", _measure(lambda acc=acc: acc.step(window, gpt_loss, count), updates))
         )
+    # post-scaling, fed an iterator: the count travels in the one meeting before the synchronizing
+    # backward; with a fused optimizer the update is decided on the device. The GPT's causal mask is a
+    # constant buffer; DDP's default broadcast of it in each window's first forward makes post-scaling
+    # meet once more before that forward (a rank with nothing to read must not leave it waiting)
+    for label, make_opt, broadcast in (
+        ("post, SGD", lambda p: torch.optim.SGD(p, lr=0.1), False),
+        ("post, fused AdamW", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), False),
+        ("post, fused AdamW, buffers bcast", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), True),
+    ):
+        if world == 1 and broadcast:
+            continue
+        model = build_tiny_gpt(0)
+        if world > 1:
+            model = DDP(model, broadcast_buffers=broadcast)
+        acc = Accumulator(model, make_opt(model.parameters()), scaling="post")
+        rows.append((label, _measure(lambda acc=acc: acc.step(iter(window), gpt_loss, count), updates)))
     work = contrastive()
     model = work.build_model()
     if world > 1:

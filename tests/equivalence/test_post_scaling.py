@@ -11,6 +11,7 @@ N, the constant left in) is off by percents.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -238,3 +239,23 @@ def test_post_results_copy_like_plain_ones() -> None:
     assert copy.copy(rb) == rb.resolved() and repr(rb).startswith("DeviceStepResult(")
     assert type(copy.deepcopy(rb)) is StepResult
     assert rb.loss == pytest.approx(ra.loss, rel=REL_TOL) and rb.step == ra.step == 1
+
+
+@pytest.mark.parametrize(("length", "most"), [(None, 2), (16, 1)])
+def test_a_streamed_window_holds_at_most_the_running_micro_batch_and_the_next(
+    length: int | None, most: int
+) -> None:
+    alive, peak = [0], [0]
+
+    def lazy() -> Iterator[Any]:
+        for j in range(16):
+            mb = models.mlp_batch(2, seed=j)
+            alive[0] += 1
+            peak[0] = max(peak[0], alive[0])
+            weakref.finalize(mb["x"], lambda: alive.__setitem__(0, alive[0] - 1))
+            yield mb
+
+    model = models.mlp()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), scaling="post")
+    acc.step(lazy(), models.mlp_loss, models.count_rows, length=length)
+    assert peak[0] == most  # k = 16 micro-batches, never more than these alive at once

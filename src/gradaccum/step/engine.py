@@ -315,7 +315,12 @@ class WindowEngine:
         # DDP that broadcasts buffers in a window's first forward (the same on every rank)
         self._broadcasts = (
             self.kind == "ddp"
-            and bool(getattr(self._synced, "broadcast_buffers", False))
+            # forward_sync_buffers from torch 2.13 on (broadcast_buffers, deprecated, is its alias)
+            and bool(
+                getattr(
+                    self._synced, "forward_sync_buffers", getattr(self._synced, "broadcast_buffers", False)
+                )
+            )
             and any(True for _ in self._synced.buffers())
         )
 
@@ -763,6 +768,7 @@ class WindowEngine:
             self.emit("micro_end", i)
             if last:
                 break
+            item = mb = piece = None  # hold no micro-batch while the next ones are read
         local = self._local_count(host_count, device_count)
         if distributed:  # the window ended before a last micro-batch: empty, or a read failed
             if c is None:

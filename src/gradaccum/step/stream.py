@@ -60,13 +60,14 @@ def with_last(window: Iterable[Any], length: int | None) -> Iterator[tuple[int, 
     if length is not None:
         for i in range(length):
             try:
-                mb = next(it)
+                item = (i, next(it), i == length - 1)
             except StopIteration:
                 raise WindowError(
                     f"the window was declared to hold {length} micro-batches but ended after {i}; "
                     "pass the length it has, or none (the step then reads one micro-batch ahead)"
                 ) from None
-            yield i, mb, i == length - 1
+            yield item
+            del item  # the caller is done with it: hold nothing while the next one is read
         return
     try:
         current = next(it)
