@@ -259,3 +259,23 @@ def test_a_streamed_window_holds_at_most_the_running_micro_batch_and_the_next(
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), scaling="post")
     acc.step(lazy(), models.mlp_loss, models.count_rows, length=length)
     assert peak[0] == most  # k = 16 micro-batches, never more than these alive at once
+
+
+@pytest.mark.cuda
+def test_a_post_window_with_a_fused_optimizer_never_synchronizes_on_cuda() -> None:
+    from gradaccum.batch import to_device
+
+    batch = to_device(models.gpt_batch(6, seed=2), "cuda")
+    micro = split(batch, sizes=[2, 2, 2])  # on the device before the step: no copy inside it
+    pre, post = models.gpt().cuda(), models.gpt().cuda()
+    a = Accumulator(pre, torch.optim.Adam(pre.parameters(), lr=1e-2, fused=True))
+    b = Accumulator(post, torch.optim.Adam(post.parameters(), lr=1e-2, fused=True), scaling="post")
+    for _ in range(2):  # the first builds the optimizer state
+        a.step(micro, models.gpt_loss, models.tokens)
+        torch.cuda.set_sync_debug_mode("error")  # any host read or synchronizing copy raises
+        try:
+            result = b.step(iter(micro), models.gpt_loss, models.tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert result.applied and result.step == 2
+    assert max_rel_err(params_of(post), params_of(pre)) < ADAM_TOL

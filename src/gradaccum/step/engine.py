@@ -939,9 +939,9 @@ class WindowEngine:
         applied = (~bad).to(torch.float64)
         counters = self._device_counters
         if counters is None:
-            counters = torch.tensor(
-                [0.0, 0.0, float(self.consecutive_skips)], dtype=torch.float64, device=self.device
-            )
+            counters = self._zero.new_zeros(3)  # a fill, not a copy from the host
+            if self.consecutive_skips:
+                counters[2] = self.consecutive_skips
         # [applied, skipped, consecutive]: a skip adds one to the run of skips, an update ends it
         self._device_counters = torch.stack(
             [counters[0] + applied, counters[1] + 1 - applied, (counters[2] + 1) * (1 - applied)]
