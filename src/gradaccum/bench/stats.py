@@ -68,7 +68,7 @@ class ConfigSummary:
     sync_ms: float | None
     """Median exposed synchronization time of the final backward (data-parallel only)."""
     optimizer_ms: float | None
-    """Median optimizer phase time."""
+    """Median optimizer phase time (the agreement, the host reads, unscale, clip and step)."""
     tokens_per_update: list[int]
     """Exact valid units of each measured update (identical in every run: same data)."""
     tokens_identical_across_runs: bool
@@ -107,6 +107,10 @@ class ConfigSummary:
     """FSDP2: gradient bytes reduce-scattered per update per rank."""
     reduce_scatter_bytes_per_sync: int | None = None
     """FSDP2: bytes one synchronizing backward reduce-scatters (the padded gradient set)."""
+    count_ms: float | None = None
+    """Median time counting the window (and agreeing on N across ranks) before the first forward."""
+    other_ms: float | None = None
+    """Median over updates of the step time the timed phases leave (see ``Measurement.other_ms``)."""
 
     @property
     def comm_bytes_per_update(self) -> int | None:
@@ -130,7 +134,9 @@ class ConfigSummary:
 
     @property
     def peak_memory_bytes(self) -> float | None:
-        """The figure the memory model fits: CUDA allocated when present, else CPU peak RSS."""
+        """The process-level peak shown beside the memory model, never fitted by it: CUDA max allocated
+        when present, else the CPU peak RSS. The model fits the bytes counted from the tensors
+        (``memory``: persistent and activation bytes, :func:`gradaccum.bench.models.memory_model_of`)."""
         return self.peak_allocated_bytes if self.peak_allocated_bytes is not None else self.peak_rss_bytes
 
     @property
@@ -165,6 +171,8 @@ class ConfigSummary:
             "micro_ms": self.micro_ms,
             "sync_ms": self.sync_ms,
             "optimizer_ms": self.optimizer_ms,
+            "count_ms": self.count_ms,
+            "other_ms": self.other_ms,
             "tokens_per_update": self.tokens_per_update,
             "tokens_identical_across_runs": self.tokens_identical_across_runs,
             "updates": self.updates,
@@ -240,4 +248,6 @@ def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
         reduce_scatter_calls_per_update=first.reduce_scatter_calls_per_update if first else None,
         reduce_scatter_bytes_per_update=first.reduce_scatter_bytes_per_update if first else None,
         reduce_scatter_bytes_per_sync=first.reduce_scatter_bytes_per_sync if first else None,
+        count_ms=_median_of([m.count_ms for m in done]),
+        other_ms=_median_of([m.other_ms for m in done]),
     )

@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         comm_rows,
         memory_lines,
         memory_rows,
+        phase_lines,
         quality_table,
         time_rows,
         verdict_lines,
@@ -236,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
     )
     arms = [result.baseline, result.candidate]
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(arms)))
+    for line in phase_lines(arms):
+        console.print(escape(line))
     console.print(
         rich_table("memory (from the tensors; CUDA peaks where present) and all-reduces", memory_rows(arms))
     )

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         fsdp2_rows,
         memory_predictions,
         memory_rows,
+        phase_lines,
         time_rows,
     )
     from gradaccum.bench.runfolder import new_run_folder, write_sweep_folder
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
     )
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(result.configs)))
+    for line in phase_lines(result.configs):
+        console.print(escape(line))
     console.print(
         rich_table("peak memory and gradient all-reduces", memory_rows(result.configs, predictions))
     )
@@ -161,8 +164,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"memory model: none ({result.memory_model_note})")
     else:
         console.print(
-            f"memory model ({mm.kind}): peak = {fmt_bytes(mm.persistent_bytes)} + "
-            f"{fmt_bytes(mm.per_example_bytes)} x micro_batch (rms residual {fmt_bytes(mm.residual_bytes)})"
+            f"memory model: peak = {fmt_bytes(mm.persistent_bytes)} persistent + {fmt_bytes(mm.fixed_bytes)} "
+            f"+ {fmt_bytes(mm.per_example_bytes)} x micro_batch ({mm.fit_words})"
         )
         if spec.memory_budget_bytes is not None:
             largest = result.largest_fitting_micro_batch
