@@ -51,6 +51,7 @@ from gradaccum.distributed.sync import (
     sync_module,
 )
 from gradaccum.errors import ConfigError, CountError, SyncError, TooManySkipsError, WindowError
+from gradaccum.integrations.accelerate import refuse_accelerated_scheduler
 from gradaccum.step.agreement import (
     FINGERPRINT_SLOTS,
     LocalFailure,
@@ -177,6 +178,7 @@ class WindowEngine:
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        refuse_accelerated_scheduler(scheduler)  # it would step W times per update; names prepare_accumulator
         self.model = model
         self.optimizer = optimizer
         self.config = config
