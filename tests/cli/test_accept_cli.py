@@ -178,6 +178,9 @@ def test_the_printed_figures_are_recomputed_from_results_json(
         f"[{verdict['interval'][0]:+.1%}, {verdict['interval'][1]:+.1%}]"
     )
     assert printed in out
+    # stdout is not a terminal here: plain progress lines from the start, one per stage
+    assert out.startswith("accept: loading the workload")
+    assert "accept: measuring: 2 memory probes and 3 paired runs" in out and "accept: done (" in out
     throughput = verdict["criteria"][5]
     assert throughput["figure"].startswith(f"{gain:+.1%} = geometric mean over {n} runs")
     assert "(3 runs x 4 vs 3 x 4)" in verdict["criteria"][1]["figure"]

@@ -23,8 +23,10 @@ from gradaccum.cli.common import (
     resolve_device,
     resolve_dp,
     rich_table,
+    torchrun_leader,
     workload_spec,
 )
+from gradaccum.cli.heartbeat import Heartbeat, progress_stage
 from gradaccum.errors import PlanError
 
 
@@ -81,6 +83,13 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # plain, flushed progress lines when stdout is a log or a pipe (never into --json's output)
+    enabled = not console.is_terminal and not args.json and torchrun_leader()
+    with Heartbeat("bench", enabled=enabled) as beat:
+        return _run(args, beat)
+
+
+def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     from gradaccum.bench.checkpointing import check_checkpointing, checkpoint_blocks
     from gradaccum.bench.report import (
         checkpointing_lines,
@@ -117,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # workers import the workload themselves; loading it here first turns a workload that cannot load
     # (or a plan that cannot fit) into exit 2 naming the problem, before any worker is spawned
+    beat.stage("loading the workload and estimating its memory")
     workload = load_workload(spec.workload)
     refuse_what_cannot_fit(
         workload, [s.plan for s in spec.measure_specs()], spec.settings.precision, device, check=False
@@ -131,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             result = run_sweep(
                 spec,
                 launching.launch,
-                on_progress=on_progress,
+                on_progress=progress_stage(beat, on_progress),
                 environment=environment(device),
                 checkpointing_check=check,
             )
@@ -143,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
     if not launching.leader:
         return code
     folder = new_run_folder(args.out_dir, "bench")
+    beat.stage("writing the run folder (report, plots)")
     write_sweep_folder(result, folder)
+    beat.stage("done")
     if args.json:
         print((folder / "results.json").read_text(encoding="utf-8"), end="")
         return code
