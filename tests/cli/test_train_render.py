@@ -51,3 +51,33 @@ def test_a_short_run_s_summary_means_something(losses: list[float], expected: st
 def test_a_long_run_s_summary_compares_the_first_and_last_five() -> None:
     text = loss_summary([float(20 - i) for i in range(20)])
     assert text.startswith("start loss 18.0000 -> end loss 3.0000 (-15.0000; means of the first and last 5")
+
+
+@pytest.mark.parametrize("stop_written", [True, False])
+def test_the_second_signal_says_what_was_written_and_what_was_removed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, stop_written: bool
+) -> None:
+    import time
+
+    from gradaccum.cli.train_signals import TrainSignals
+    from gradaccum.train import checkpoint
+
+    folder = tmp_path / "checkpoints" / "step-00000004"
+    folder.mkdir(parents=True)
+    leftover = tmp_path / "checkpoints" / ".tmp-step-00000005"
+    monkeypatch.setattr(checkpoint, "find_intact", lambda run_dir, checksums: SimpleNamespace(path=folder))
+    monkeypatch.setattr(
+        checkpoint, "remove_partial_checkpoints", lambda run_dir: [] if stop_written else [leftover]
+    )
+    signals = TrainSignals(leader=True)
+    signals.run_dir = tmp_path
+    signals._first_wall = time.time() - 60 if stop_written else time.time() + 60
+    text = signals._stopped_now("SIGINT")
+    if stop_written:
+        assert text == (
+            "second signal (SIGINT): stopped at once, after the stop checkpoint was written; written: the "
+            f"stop checkpoint, {folder}, intact; nothing was being written, so nothing was removed"
+        )
+    else:
+        assert text.startswith("second signal (SIGINT): stopped at once, mid-window; the newest complete")
+        assert text.endswith("removed, unfinished: .tmp-step-00000005")
