@@ -78,10 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="an explicit partition, e.g. 1,3,4 (default: none, equal micro-batches of --micro-batch)",
     )
     p.add_argument(
-        "--dtype",
+        "--check-precision",
+        "--dtype",  # the earlier name, kept
+        dest="dtype",
         choices=[dtype_name(d) for d in GRAD_TOLERANCES],
         default="float64",
-        help="precision of the stage-1 diagnostic (default float64)",
+        help="precision of the stage-1 diagnostic (default float64; --dtype is the same flag)",
     )
     p.add_argument(
         "--trace-steps",
@@ -92,10 +94,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default 5)",
     )
     p.add_argument(
-        "--trace-dtype",
+        "--precision",
+        "--trace-dtype",  # the earlier name, kept
+        dest="trace_dtype",
         choices=[dtype_name(d) for d in TRACE_TOLERANCES],
         default="float32",
-        help="production precision of stage 2 (default float32)",
+        help="production precision of stage 2, as --precision of train, bench and accept (default "
+        "float32; --trace-dtype is the same flag)",
     )
     p.add_argument(
         "--cached",
