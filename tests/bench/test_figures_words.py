@@ -72,6 +72,7 @@ def _summary(micro_batch: int, memory: MemoryFigures | None, **changes: Any) -> 
         skipped_updates=0, peak_rss_bytes=None, peak_allocated_bytes=None, peak_reserved_bytes=None,
         gradient_bytes=None, allreduce_calls_per_update=None, allreduce_bytes_per_update=None,
         buckets=None, per_run_units_per_s=[1000.0], memory=memory, count_ms=0.3, other_ms=64.1,
+        phase_means_ms=(0.3, 374.0, 1.6, 64.7, 440.6),
     )  # fmt: skip
     values.update(changes)
     return ConfigSummary(**values)
@@ -79,9 +80,10 @@ def _summary(micro_batch: int, memory: MemoryFigures | None, **changes: Any) -> 
 
 def test_a_step_s_phases_add_up_with_what_they_leave_named() -> None:
     (head, row) = phase_lines([_summary(1, None)])
-    assert "other: the rest of the step, not broken down" in head
-    # 0.30 + 8 x 46.75 + 1.58 + 64.10 = 440.0 against 440.6: said, and close
-    assert row == "- 1x8: 0.30 + 8 x 46.75 + 1.58 + 64.10 = 439.98 ms against a step of 440.60 ms"
+    assert "other: the rest, not broken down" in head and "means add up" in head
+    assert row == (
+        "- 1x8: count 0.30 + micro-batches 374.00 (8 x 46.75) + optimizer 1.60 + other 64.70 = step 440.60 ms"
+    )
 
 
 def test_a_line_through_two_points_claims_no_residual() -> None:

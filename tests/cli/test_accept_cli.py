@@ -185,6 +185,13 @@ def test_the_printed_figures_are_recomputed_from_results_json(
     assert throughput["figure"].startswith(f"{gain:+.1%} = geometric mean over {n} runs")
     assert "(3 runs x 4 vs 3 x 4)" in verdict["criteria"][1]["figure"]
     assert "in each of the 3 runs" in verdict["criteria"][0]["figure"]
+    # the step's phases add up, and the printed line shows the same means
+    for arm in ("baseline", "candidate"):
+        count_ms, micro, optim, other, step = results[arm]["phase_means_ms"]
+        assert count_ms + micro + optim + other == pytest.approx(step, rel=1e-9)
+        label = results[arm]["row_label"]
+        assert f"- {label}: count {count_ms:.2f} + micro-batches {micro:.2f}" in out
+        assert f"+ other {other:.2f} = step {step:.2f} ms" in out
     if verdict["decision"] == "INCONCLUSIVE":
         assert code == 3
         # runs_to_resolve: the fewest runs at which the same interval would decide

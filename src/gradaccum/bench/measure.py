@@ -297,6 +297,14 @@ class _Arm:
             "count_ms": _median([up.count_ms for up in updates if up.count_ms is not None]),
             "optimizer_ms": _median([up.optimizer_ms for up in updates if up.optimizer_ms is not None]),
             "other_ms": _median([up.other_ms for up in updates]),
+            # totals over the updates, which add up: step = count + micro-batches + optimizer + other
+            "totals": (
+                sum(up.count_ms or 0.0 for up in updates),
+                sum(sum(up.micro_ms) for up in updates),
+                sum(up.optimizer_ms or 0.0 for up in updates),
+                sum(up.other_ms for up in updates),
+                sum(up.step_ms for up in updates),
+            ),
             "peak_rss": peak_rss_bytes(),
             "peak_alloc": max((up.allocated for up in updates), default=0),
             "peak_reserved": max((up.reserved for up in updates), default=0),
@@ -331,6 +339,7 @@ class _Arm:
             count_ms=float(slowest("count_ms") or 0.0),
             optimizer_ms=float(slowest("optimizer_ms") or 0.0),
             other_ms=slowest("other_ms"),
+            phase_totals_ms=tuple(max(everyone, key=lambda r: r["totals"][4])["totals"]),
             tokens_per_update=tokens,
             examples_per_update=self.spec.plan.global_batch,
             units_per_s=sum(tokens) / total_s if total_s > 0 else float("inf"),

@@ -91,29 +91,23 @@ def time_rows(configs: Sequence[ConfigSummary]) -> Table:
 
 
 def phase_lines(configs: Sequence[ConfigSummary]) -> list[str]:
-    """How a step's time divides: the phases, what they leave ("other"), and their sum beside it."""
+    """Where a step's time goes, as means per update that add up, with what is not broken down."""
     lines = [
-        "step = count + k x micro (+ sync) + optim + other; count: counting the window's units (and "
-        "agreeing on them across ranks); micro: one micro-batch's forward and backward; sync: what the "
-        "synchronizing backward adds; optim: the agreement, host reads, clipping and the optimizer step; "
-        "other: the rest of the step, not broken down (the window's checks before the count, moving "
-        "each micro-batch to the device, the result after the step). Each is a median over updates, so "
-        "the sum is close to the step's median, not equal:"
+        "Where a step goes, mean ms per update over every run (means add up; the table's medians need "
+        "not): count: counting the window's units (and agreeing on them across ranks); micro-batches: "
+        "their forwards and backwards (the synchronizing one included); optimizer: the agreement, host "
+        "reads, clipping and the step; other: the rest, not broken down (the window's checks before the "
+        "count, moving each micro-batch to the device, the result after the step)."
     ]
     for c in configs:
-        if c.step_ms is None or c.micro_ms is None or c.other_ms is None:
+        means = c.phase_means_ms
+        if means is None:
             continue
+        count_ms, micro, optim, other, step = means
         k = c.spec.accum_steps
-        parts = [_ms(c.count_ms), f"{k} x {c.micro_ms:.2f}"]
-        if c.sync_ms is not None:
-            parts.append(_ms(c.sync_ms))
-        parts += [_ms(c.optimizer_ms), f"{c.other_ms:.2f}"]
-        total = (
-            (c.count_ms or 0.0) + k * c.micro_ms + (c.sync_ms or 0.0) + (c.optimizer_ms or 0.0) + c.other_ms
-        )
         lines.append(
-            f"- {c.spec.row_label}: {' + '.join(parts)} = {total:.2f} ms against a step of "
-            f"{c.step_ms.median:.2f} ms"
+            f"- {c.spec.row_label}: count {count_ms:.2f} + micro-batches {micro:.2f} ({k} x {micro / k:.2f}) "
+            f"+ optimizer {optim:.2f} + other {other:.2f} = step {step:.2f} ms"
         )
     return lines
 

@@ -111,6 +111,9 @@ class ConfigSummary:
     """Median time counting the window (and agreeing on N across ranks) before the first forward."""
     other_ms: float | None = None
     """Median over updates of the step time the timed phases leave (see ``Measurement.other_ms``)."""
+    phase_means_ms: tuple[float, ...] | None = None
+    """(count, micro-batches, optimizer, other, step): means per update over every run's updates.
+    Means add up (step = the other four), where the table's medians need not."""
 
     @property
     def comm_bytes_per_update(self) -> int | None:
@@ -173,6 +176,7 @@ class ConfigSummary:
             "optimizer_ms": self.optimizer_ms,
             "count_ms": self.count_ms,
             "other_ms": self.other_ms,
+            "phase_means_ms": None if self.phase_means_ms is None else list(self.phase_means_ms),
             "tokens_per_update": self.tokens_per_update,
             "tokens_identical_across_runs": self.tokens_identical_across_runs,
             "updates": self.updates,
@@ -250,4 +254,13 @@ def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
         reduce_scatter_bytes_per_sync=first.reduce_scatter_bytes_per_sync if first else None,
         count_ms=_median_of([m.count_ms for m in done]),
         other_ms=_median_of([m.other_ms for m in done]),
+        phase_means_ms=_phase_means(done),
     )
+
+
+def _phase_means(done: Sequence[Measurement]) -> tuple[float, ...] | None:
+    totals = [m.phase_totals_ms for m in done]
+    updates = sum(m.updates for m in done)
+    if not done or updates == 0 or any(t is None for t in totals):
+        return None
+    return tuple(sum(t[i] for t in totals if t is not None) / updates for i in range(5))

@@ -40,6 +40,8 @@ class Heartbeat:
         self.clock = clock
         self.start = clock()
         self.current = "starting"
+        self.last = self.start
+        """When the last line was printed: the ticker speaks only after ``every_s`` of silence."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -70,12 +72,18 @@ class Heartbeat:
             return
         out = self.out or sys.stdout
         with self._lock:
-            line = f"{self.command}: {self.current} ({self.clock() - self.start:.0f} s)"
+            self.last = self.clock()
+            line = f"{self.command}: {self.current} ({self.last - self.start:.0f} s)"
         print(line, file=out, flush=True)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self._line()
+        wait = self.every_s
+        while not self._stop.wait(wait):
+            silent = self.clock() - self.last
+            if silent >= self.every_s:
+                self._line()
+                silent = 0.0
+            wait = max(self.every_s - silent, 0.01)
 
 
 def progress_stage(beat: Heartbeat, inner: Callable[[Any], None] | None) -> Callable[[Any], None]:
