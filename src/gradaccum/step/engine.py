@@ -51,8 +51,14 @@ from gradaccum.distributed.sync import (
     sync_module,
 )
 from gradaccum.errors import ConfigError, CountError, SyncError, TooManySkipsError, WindowError
-from gradaccum.mesh.layout import DATA_ROLES, MeshLayout
 from gradaccum.mesh.reduction import averaging_factor, clip_mesh_grads_, local_squares
+from gradaccum.mesh.step import (
+    check_sync_policy,
+    layout_for_step,
+    raise_replica_mismatch,
+    replica_slots,
+    replicas_agree,
+)
 from gradaccum.step.agreement import (
     LocalFailure,
     agree_before_backward,
@@ -67,7 +73,7 @@ from gradaccum.step.agreement import (
     rank_settings,
 )
 from gradaccum.step.checks import as_count, check_window_shapes
-from gradaccum.step.config import AccumConfig, StepResult, SyncPolicy
+from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.noise import NoiseScale, NoiseScaleMeter
 from gradaccum.step.norms import clip_grads_, nonfinite_flag, total_norm, uniform_plain
@@ -271,7 +277,11 @@ class WindowEngine:
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._distributed = dist.is_distributed(dp_group)
-        self.layout = self._read_mesh(mesh, mesh_dims, pipeline)
+        self.layout = layout_for_step(
+            mesh, mesh_dims, model=model, config=config, dp_group=dp_group, pipeline=pipeline
+        )
+        if self.layout is not None:
+            self._distributed = dist.is_distributed()
         data_ranks = self.layout.data_size if self.layout else dist.world_size(dp_group)
         if data_ranks > 1 and self.kind == "local":
             raise SyncError(
@@ -283,7 +293,7 @@ class WindowEngine:
         self.factor = factor if factor is not None else averaging_factor(self._synced, self.kind, data_ranks)
         self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
         self._loss_replicas = self.layout.tp if self.layout else 1
-        self._policy = _sync_policy(config, self.kind, self.layout)
+        self._policy = check_sync_policy(config, self.kind, self.layout)
         self._norm_holders = self.layout.world // self.layout.pp if self.layout else 1
         settings: dict[str, Any] = dataclasses.asdict(config)
         settings["sync"] = self.kind
@@ -293,38 +303,6 @@ class WindowEngine:
         self._settings = rank_settings(settings, model) if same_model else settings
         self._fingerprint = fingerprint(self._settings) if self._distributed else []
         self._noise = self._noise_meter() if config.noise_scale else None
-
-    def _read_mesh(self, mesh: Any, mesh_dims: Mapping[str, str] | None, pipeline: bool) -> MeshLayout | None:
-        """The mesh by role, checked against the model and the process group (see :mod:`gradaccum.mesh`)."""
-        if mesh is None:
-            if mesh_dims is not None:
-                raise ConfigError("mesh_dims was given without a mesh; pass mesh=<the DeviceMesh> too")
-            return None
-        if self.dp_group is not None:
-            raise ConfigError(
-                "pass mesh= or dp_group=, not both: on a mesh the step derives its groups from the "
-                "mesh's named dimensions"
-            )
-        layout = MeshLayout.read(mesh, mesh_dims)
-        if layout.world != dist.world_size():
-            raise ConfigError(
-                f"the mesh spans {layout.world} ranks but the default process group has "
-                f"{dist.world_size()}: build the mesh over every rank of the job"
-            )
-        if layout.pp > 1 and not pipeline:
-            raise ConfigError(
-                f"the mesh has {layout.names['pp']}={layout.pp} pipeline stages; a pipeline-parallel "
-                "model steps with gradaccum.pipeline.PipelineAccumulator, whose schedule runs the "
-                "micro-batches"
-            )
-        layout.check_model(self.model, mesh)
-        if self.config.noise_scale:
-            raise ConfigError(
-                "noise_scale=True is not supported with mesh=: the estimate reads whole per-micro-batch "
-                "gradients, which a mesh spreads over shards. Measure it on a data-parallel run."
-            )
-        self._distributed = dist.is_distributed()
-        return layout
 
     def _noise_meter(self) -> NoiseScaleMeter:
         if self.kind in ("fsdp", "fsdp2"):
@@ -456,11 +434,14 @@ class WindowEngine:
         ledger.add("broadcasting_ranks", self.kind == "ddp" and self._synced.will_sync_module_buffers())  # type: ignore[operator]
         ledger.add("fingerprint", self._fingerprint)
         if replicas > 1:
-            ledger.add("replica_counts", self._at_data_index(local_count, k))
+            assert self.layout is not None
+            ledger.add("replica_counts", replica_slots(self.layout, local_count, k))
         settled = ledger.settle(self.dp_group, what="the window's counts")
         totals = settled.unpack(CountTotals)
-        if replicas > 1:
-            self._check_replicas(settled.value("replica_counts"), local_count, k)  # type: ignore[arg-type]
+        if replicas > 1 and not replicas_agree(settled.value("replica_counts"), replicas):  # type: ignore[arg-type]
+            self.zero_grad()
+            assert self.layout is not None
+            raise_replica_mismatch(self.layout, local_count, k, self.dp_group)
         if not fingerprints_agree(totals.fingerprint, world):
             self.zero_grad()
             raise_mismatch(self._settings, self.model, self.dp_group)
@@ -484,38 +465,6 @@ class WindowEngine:
             global_count = global_count / replicas
         n = int(totals.global_count) // replicas
         return WindowCount(counts, local_count, global_count, n, min_count, world, self.factor)
-
-    def _at_data_index(self, local_count: torch.Tensor, k: int) -> torch.Tensor:
-        """[c, c^2, k, k^2] at this rank's data index, zeros elsewhere (see :meth:`_agree_on_counts`)."""
-        assert self.layout is not None
-        slots = torch.zeros(self.layout.data_size, 4, dtype=torch.float64, device=self.device)
-        count = local_count.to(torch.float64)
-        slots[self.layout.data_index] = torch.stack(
-            [count, count * count, count.new_tensor(k), count.new_tensor(k * k)]
-        )
-        return slots.reshape(-1)
-
-    def _check_replicas(self, sums: list[float], local_count: torch.Tensor, k: int) -> None:
-        """Refuse, on every rank, counts or micro-batch numbers that differ between ranks holding the
-        same tokens (TP ranks, pipeline stages): their N would not be one number."""
-        replicas = self._count_replicas
-        rows = [sums[i : i + 4] for i in range(0, len(sums), 4)]
-        if all(replicas * sq == c * c and replicas * ksq == kk * kk for c, sq, kk, ksq in rows):
-            return
-        assert self.layout is not None
-        mine = (dist.rank(), self.layout.coordinate, int(local_count.item()), k)
-        everyone = dist.all_gather_objects(mine, self.dp_group, what="the ranks' counts")
-        self.zero_grad()
-        by_index: dict[tuple[int, ...], list[str]] = {}
-        for rank, coordinate, count, micro in everyone:
-            key = tuple(coordinate[r] for r in DATA_ROLES)
-            by_index.setdefault(key, []).append(f"rank {rank}: {count} units in {micro} micro-batches")
-        differ = [f"[{'; '.join(v)}]" for v in by_index.values() if len({x.split(": ")[1] for x in v}) > 1]
-        raise ConfigError(
-            "ranks that hold the same tokens (tensor-parallel ranks, pipeline stages) counted different "
-            f"windows: {', '.join(differ)}. Give every TP rank and every stage of a pipeline the same "
-            "micro-batches (the data loader must shard by the data dimensions only)."
-        )
 
     def accumulate(
         self,
@@ -844,22 +793,6 @@ class WindowEngine:
             self.zero_grad()
             raise_from_sync_backward(exc, index, self.dp_group)
         self._resync = False
-
-
-def _sync_policy(config: AccumConfig, kind: SyncKind, layout: MeshLayout | None) -> SyncPolicy:
-    """The config's sync policy, refused where the model cannot follow it."""
-    policy = config.policy
-    if policy == "defer_replicate":
-        replicated = layout is not None and layout.sizes["dp_replicate"] > 1
-        if kind != "fsdp2" or not replicated:
-            raise ConfigError(
-                "sync_policy='defer_replicate' reduce-scatters over the shards every micro-batch and "
-                "all-reduces over the replicas once: it needs a model under FSDP2 on a mesh with "
-                f"dp_replicate > 1 (HSDP), passed as mesh=; this model is {kind} "
-                f"{'without a mesh' if layout is None else 'on ' + layout.describe()}. "
-                "Use 'defer' or 'every'."
-            )
-    return policy
 
 
 def _refuse_static_graph(model: nn.Module, kind: SyncKind, defer_sync: bool) -> None:
