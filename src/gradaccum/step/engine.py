@@ -233,14 +233,12 @@ class WindowEngine:
         backward: Backward | None = None,
         pipeline: bool = False,
         synced: nn.Module | None = None,
-        factor: float | None = None,
     ) -> None:
         """``mesh``/``mesh_dims``: the DeviceMesh the model was parallelized with (see
         :mod:`gradaccum.mesh`); ``pipeline``: a pipeline schedule runs the micro-batches, and
         every stage counts the same window (:class:`gradaccum.pipeline.PipelineAccumulator`);
         ``synced``: the module whose wrapper synchronizes gradients, when ``model`` is not it
-        (a pipeline's stage modules); ``factor``: what the gradient reductions divide by, where
-        the wrapper's settings do not tell (DDP inside a pipeline schedule)."""
+        (a pipeline's stage modules)."""
         if not isinstance(config, AccumConfig):
             raise ConfigError(f"config must be a gradaccum.AccumConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
@@ -290,7 +288,7 @@ class WindowEngine:
                 "in DistributedDataParallel or fully_shard (FSDP2) before building the Accumulator."
             )
         # the W of W/N, and the ranks that hold the same tokens (whose sums count each unit once)
-        self.factor = factor if factor is not None else averaging_factor(self._synced, self.kind, data_ranks)
+        self.factor = averaging_factor(self._synced, self.kind, data_ranks)
         self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
         self._loss_replicas = self.layout.tp if self.layout else 1
         self._policy = check_sync_policy(config, self.kind, self.layout)
