@@ -31,9 +31,9 @@ from tests.train.common import final_params
 
 SETTLE_FACTOR = 2.0
 """The settled batch lies in [B_noise / 2, 2 B_noise]. Measured over 16 runs (seeds 0-7, two
-weights, micro-batch 4, min_updates 20): settled / B_noise 1.11-1.61; the floor is the rounding up
-to whole micro-batches (12 / 10.83 = 1.11 at the initial weights), the rest the estimate's spread
-after 20-40 windows of two micro-batches of 4 rows."""
+weights, micro-batch 4, min_updates 20, 160 windows): settled / B_noise 1.11-1.61; the floor is the
+rounding up to whole micro-batches (12 / 10.83 = 1.11 at the initial weights), the rest the spread
+of an estimate over 20 windows of 2-4 micro-batches of 4 rows (heavy-tailed: NOTES, issue 15)."""
 
 
 def _at(fraction: float) -> torch.nn.Module:
@@ -53,7 +53,7 @@ def _config(run_dir: Path, **kw: Any) -> TrainConfig:
         "workload": "gradaccum.examples.regression:regression",
         "steps": 60,
         "optimizer": "sgd",
-        "lr": 0.05,
+        "lr": 0.02,
         "precision": "float64",
         "schedule": ScheduleConfig(kind="constant", warmup=0),
         "accum": AccumConfig(noise_scale=True, track_grad_norm=True),
@@ -91,20 +91,17 @@ def test_the_batch_settles_within_a_declared_factor_of_the_true_noise_scale(
     assert settled == changes[-1]["global_batch"]
     assert truth / SETTLE_FACTOR <= settled <= SETTLE_FACTOR * truth, (settled, truth)
     # it grew only while below its estimate, and the estimate at the end is near the truth
-    # (estimate / truth after 160 windows, same 16 runs: 0.88-1.22)
-    assert all(c["from_global_batch"] < c["target"] for c in changes)
+    # (the accumulator's estimate / truth after 160 windows, same 16 runs: 0.89-1.30)
+    assert all(c["from_global_batch"] < c["global_batch"] <= math.ceil(c["target"] / 4) * 4 for c in changes)
     assert result.noise_scale is not None and result.noise_scale.b_simple is not None
-    assert result.noise_scale.b_simple == pytest.approx(truth, rel=0.3)
+    assert result.noise_scale.b_simple == pytest.approx(truth, rel=0.35)
     assert settled >= result.noise_scale.b_simple / SETTLE_FACTOR
     assert all(c["global_batch"] <= 2 * c["from_global_batch"] for c in changes)  # growth 2
     assert all(b["step"] - a["step"] >= 20 for a, b in itertools.pairwise(changes))
 
 
 def test_each_window_is_drawn_at_the_decided_batch_with_the_lr_rule(tmp_path: Path) -> None:
-    config = _config(
-        tmp_path, lr=0.05, batch_schedule=CriticalBatchConfig(max_global_batch=256, min_updates=10)
-    )
-    train(config)
+    train(_config(tmp_path))
     steps, changes = _records(tmp_path, "step"), _records(tmp_path, "batch")
     assert len(changes) >= 2
     batch = 8
@@ -113,7 +110,7 @@ def test_each_window_is_drawn_at_the_decided_batch_with_the_lr_rule(tmp_path: Pa
         want = grown[-1]["global_batch"] if grown else batch
         assert step["global_batch"] == want and step["accum_steps"] == want // 4
         assert step["window_tokens"] == want  # every row counts: the window held exactly that batch
-        assert step["lr"] == pytest.approx(0.05 * math.sqrt(want / batch), rel=1e-15)  # sqrt, the default
+        assert step["lr"] == pytest.approx(0.02 * math.sqrt(want / batch), rel=1e-15)  # sqrt, the default
     card = json.loads((tmp_path / "runcard.json").read_text())["extra"]["batch_schedule"]
     assert card["lr_rule"] == "sqrt" and card["start_global_batch"] == batch
     assert [c["global_batch"] for c in card["changes"]] == [c["global_batch"] for c in changes]

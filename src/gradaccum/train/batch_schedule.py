@@ -12,12 +12,26 @@ loss than OLMo 1B's fixed batch in 43 % fewer updates.
 The rule, applied after every window once ``min_updates`` applied updates have passed since the
 start or the last change:
 
-    target = fraction x B_simple / (units per example)        (B_simple from ``noise_scale=True``)
-    grow   when global_batch < target, to the smallest multiple of micro_batch x dp that reaches
-           the target, capped at growth x global_batch and at max_global_batch.
+    target = fraction x B_recent / (units per example)
+    B_recent = sum_w tr(Sigma)_w / sum_w |G|^2_w   over the last min_updates measured windows
+    grow   when global_batch < target - se (se: the standard error of fraction x B_recent, from the
+           windows' spread), to the smallest multiple of micro_batch x dp that reaches target - se,
+           capped at growth x global_batch and at max_global_batch.
 
+B_recent is the accumulator's own per-window estimates (``noise_scale=True``:
+``NoiseScale.window_trace_cov`` and ``window_grad_sq``, unbiased each) combined as B_simple combines
+them, a ratio of sums, but over the last ``min_updates`` windows only. The accumulator's B_simple
+averages ~100 windows (beta 0.99): while |G|^2 falls fast early in a run it remembers the large
+early gradients and lags the current critical batch by tens of windows (on the regression example
+it read 18 at update 90 where the last 10 windows' figures gave ~800). Both figures are per unit,
+so windows at different batch sizes combine.
 The batch never shrinks (the critical batch grows over a run; shrinking on a noisy estimate would
-make the schedule chatter). The micro-batch stays fixed and ``accum_steps`` rises, so memory does not
+make the schedule chatter). Because it never shrinks, a decision taken on an estimate that noise
+pushed up would stay, and repeated decisions on a constant B_noise would ratchet the batch up to
+the largest of their estimates: aiming at the one-standard-error lower bound approaches B_noise
+from below (measured on the regression example with the weights held still, 16 runs: settled
+batch / B_noise 1.28-1.85 aiming at the estimate itself; see ``tests/train/test_batch_schedule.py``
+for the figures with the bound). The micro-batch stays fixed and ``accum_steps`` rises, so memory does not
 change; each update is still normalized by its own window's count (the step's W / N), so the update
 is exact whatever the window's length. B_simple is a per-unit figure, so its moving averages stay
 valid across a change.
@@ -165,9 +179,9 @@ class BatchChange:
     accum_steps: int
     """The accumulation steps that make it (micro-batch and dp fixed)."""
     b_simple: float
-    """The noise scale B_simple the decision read, in the workload's units."""
+    """B_recent, the noise scale over the last ``min_updates`` windows, in the workload's units."""
     target: float
-    """fraction x B_simple in examples: the global batch aimed at."""
+    """fraction x B_recent in examples: the global batch aimed at."""
     lr_scale: float
     """The learning-rate multiplier from the next window on (relative to the starting batch)."""
     kind: str = "batch"
@@ -183,6 +197,8 @@ class CriticalBatchSchedule:
         self.accum_steps = plan.accum_steps
         self.last_change_step = 0
         self.changes: list[BatchChange] = []
+        self._recent: list[list[float]] = []  # [tr(Sigma)_w, |G|^2_w] of the last min_updates windows
+        self._seen = 0
 
     @property
     def plan(self) -> BatchPlan:
@@ -204,16 +220,28 @@ class CriticalBatchSchedule:
         estimate; ``units_per_example``: the last window's count over its examples (B_simple is in
         the units ``count_fn`` counts, the batch in examples).
         """
-        if step - self.last_change_step < self.config.min_updates or noise.b_simple is None:
+        if noise.samples > self._seen and noise.window_trace_cov is not None:
+            # a newly measured window (a skipped one adds nothing): its own unbiased figures
+            self._seen = noise.samples
+            self._recent = [*self._recent, [noise.window_trace_cov, noise.window_grad_sq or 0.0]]
+            self._recent = self._recent[-self.config.min_updates :]
+        if step - self.last_change_step < self.config.min_updates or len(self._recent) < 2:
             return None
-        if not (units_per_example > 0 and math.isfinite(noise.b_simple)):
-            return None
+        trace, grad_sq = math.fsum(t for t, _ in self._recent), math.fsum(g for _, g in self._recent)
+        if not (units_per_example > 0 and grad_sq > 0 and trace > 0):
+            return None  # the noise still hides the gradient: no figure to act on
+        recent = trace / grad_sq
+        n = len(self._recent)
+        # the ratio estimator's standard error (delta method): residuals T_w - R Q_w over mean Q
+        spread = math.fsum((t - recent * g) ** 2 for t, g in self._recent) / (n * (n - 1))
+        se = math.sqrt(spread) / (grad_sq / n)
         per_pass = self.base.micro_batch * self.base.dp
-        target = self.config.fraction * noise.b_simple / units_per_example
+        target = self.config.fraction * recent / units_per_example
+        margin = self.config.fraction * se / units_per_example
         current = self.accum_steps
-        if current * per_pass >= target:
+        if current * per_pass >= target - margin:
             return None
-        need = math.ceil(target / per_pass)
+        need = math.ceil((target - margin) / per_pass)
         capped = max(current + 1, math.floor(current * self.config.growth))
         new = min(need, capped, self.config.max_global_batch // per_pass)
         if new <= current:
@@ -226,7 +254,7 @@ class CriticalBatchSchedule:
             from_global_batch=before,
             global_batch=self.plan.global_batch,
             accum_steps=new,
-            b_simple=noise.b_simple,
+            b_simple=recent,
             target=target,
             lr_scale=self.lr_scale,
         )
@@ -239,7 +267,8 @@ class CriticalBatchSchedule:
             **self.config.to_dict(),
             "start_global_batch": self.base.global_batch,
             "rule": "after a window, once min_updates updates passed since the last change: grow the "
-            "global batch (accum_steps, micro-batch fixed) toward fraction x B_simple, at most growth x "
+            "global batch (accum_steps, micro-batch fixed) toward fraction x B_recent (tr(Sigma) over "
+            "|G|^2 summed over the last min_updates measured windows), at most growth x "
             "per change, up to max_global_batch; never shrink; lr x (B / B_0)^p for the lr_rule",
             "changes": [asdict(c) for c in self.changes],
         }
@@ -255,12 +284,14 @@ class CriticalBatchSchedule:
             },
             "accum_steps": self.accum_steps,
             "last_change_step": self.last_change_step,
+            "recent": [list(pair) for pair in self._recent],
+            "seen": self._seen,
             "changes": [asdict(c) for c in self.changes],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`; refuses a state written with other settings or plan."""
-        keys = {"config", "base", "accum_steps", "last_change_step", "changes"}
+        keys = {"config", "base", "accum_steps", "last_change_step", "recent", "seen", "changes"}
         if not isinstance(state, dict) or set(state) != keys:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise PlanError(f"a batch-schedule state holds exactly {sorted(keys)}, got {got}")
@@ -287,5 +318,17 @@ class CriticalBatchSchedule:
         last = require_int(
             "batch-schedule last_change_step", state["last_change_step"], low=0, error=PlanError
         )
+        recent = state["recent"]
+        pairs = isinstance(recent, list) and len(recent) <= self.config.min_updates
+        if not pairs or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(v, float) and math.isfinite(v) for v in p)
+            for p in recent
+        ):
+            raise PlanError(
+                f"batch-schedule recent windows must be at most {self.config.min_updates} pairs of finite "
+                f"floats, got {recent!r}"
+            )
+        seen = require_int("batch-schedule seen", state["seen"], low=0, error=PlanError)
         changes = [BatchChange(**c) for c in state["changes"]]
         self.accum_steps, self.last_change_step, self.changes = accum, last, changes
+        self._recent, self._seen = [list(p) for p in recent], seen
