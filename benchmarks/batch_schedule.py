@@ -24,6 +24,7 @@ schedule's over the small batch's, per seed (the goal: <= 0.70 updates at <= 1.2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -66,8 +67,8 @@ PROBLEMS = {
         workload=regression,
         plan=BatchPlan(micro_batch=4, accum_steps=2),
         schedule=CriticalBatchConfig(max_global_batch=128, min_updates=20, lr_rule="linear"),
-        lr=0.05,
-        target=0.1295,
+        lr=0.02,
+        target=0.128,
         max_updates=3000,
         eval_every=5,
         dtype=torch.float64,
@@ -79,8 +80,8 @@ PROBLEMS = {
         plan=BatchPlan(micro_batch=8, accum_steps=2),
         schedule=CriticalBatchConfig(max_global_batch=256, min_updates=20),
         lr=3e-3,
-        target=2.45,
-        max_updates=1500,
+        target=2.30,
+        max_updates=800,
         eval_every=10,
         dtype=torch.float32,
     ),
@@ -192,10 +193,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--problems", default="regression,gpt")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fraction", type=float, help="override the schedule's fraction of B_simple")
+    parser.add_argument("--min-updates", type=int, help="override the schedule's min_updates")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.problems.split(","):
         problem = PROBLEMS[name]
+        overrides = {"fraction": args.fraction, "min_updates": args.min_updates}
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if given:
+            problem = dataclasses.replace(problem, schedule=dataclasses.replace(problem.schedule, **given))
         config = problem.schedule
         print(
             f"{name}: target held-out loss {problem.target}, start {problem.plan.equation()}, "

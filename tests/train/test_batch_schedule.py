@@ -116,6 +116,22 @@ def test_each_window_is_drawn_at_the_decided_batch_with_the_lr_rule(tmp_path: Pa
     assert [c["global_batch"] for c in card["changes"]] == [c["global_batch"] for c in changes]
 
 
+def test_the_loss_plot_marks_each_batch_change(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from gradaccum.train.records import loss_figure
+
+    train(_config(tmp_path, steps=40))
+    changes = _records(tmp_path, "batch")
+    assert changes and (tmp_path / "loss.png").stat().st_size > 0
+    figure = loss_figure(tmp_path / "metrics.jsonl")
+    axes = figure.axes[0]
+    marked = [line.get_xdata()[0] for line in axes.lines if line.get_linestyle() == "--"]
+    # between the last window at the old batch (x = window) and the first at the new (x = window + 1)
+    assert marked == [c["window"] + 0.5 for c in changes]
+    assert [t.get_text() for t in axes.texts] == [f"batch {c['global_batch']}" for c in changes]
+    assert f"{len(changes)} batch changes" in axes.get_title()
+
+
 def test_a_resumed_run_equals_an_uninterrupted_one_bitwise_across_a_batch_change(tmp_path: Path) -> None:
     whole = train(_config(tmp_path / "whole", checkpoint_every=None))
     changes = _records(tmp_path / "whole", "batch")

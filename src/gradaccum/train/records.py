@@ -31,6 +31,7 @@ __all__ = [
     "StepRecord",
     "TrainEvent",
     "TrainStart",
+    "loss_figure",
     "plot_loss",
     "read_metrics",
 ]
@@ -258,6 +259,18 @@ def plot_loss(metrics_path: Path, png_path: Path) -> Path | None:
     matplotlib is imported here, not at module import, and drawn on an Agg canvas without pyplot,
     so training never needs a display or touches global plotting state.
     """
+    figure = loss_figure(metrics_path)
+    if figure is None:
+        return None
+    png_path = Path(png_path)
+    figure.savefig(png_path)
+    return png_path
+
+
+def loss_figure(metrics_path: Path) -> Any:
+    """The loss curve of a ``metrics.jsonl`` as a matplotlib ``Figure`` (None if nothing to draw):
+    skipped updates as red lines, batch-size changes as dashed green lines before the first window
+    at the new batch."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -300,6 +313,4 @@ def plot_loss(metrics_path: Path, png_path: Path) -> Path | None:
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    png_path = Path(png_path)
-    figure.savefig(png_path)
-    return png_path
+    return figure
