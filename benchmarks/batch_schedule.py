@@ -1,13 +1,14 @@
 """Updates and tokens to a target held-out loss: smallest fixed batch, largest fixed batch, and the
 batch-size schedule that follows the measured noise scale (``train --batch-schedule critical``).
 
-Three arms per problem and seed, on the same data stream and from the same initial weights:
+Arms per problem and seed, on the same data stream and from the same initial weights:
 
 * ``small``: the starting plan's global batch throughout (micro-batch x accum_steps);
 * ``large``: ``max_global_batch`` throughout, its learning rate scaled by the lr rule as the schedule
   would scale it at that batch (the fixed batch the schedule could end at);
-* ``schedule``: :class:`gradaccum.train.batch_schedule.CriticalBatchSchedule`, starting at the small
-  batch, growing toward B_simple up to ``max_global_batch``.
+* ``sched F``: :class:`gradaccum.train.batch_schedule.CriticalBatchSchedule`, starting at the small
+  batch, growing toward F x B_simple (``fraction``, ``--batch-fraction``) up to ``max_global_batch``;
+  one arm per fraction in ``--fractions`` (default 1, the critical batch itself, and 0.5).
 
 Each arm runs the library's own pieces in the order ``train``'s loop does (the window at the current
 plan from :class:`ShardedStream`, the learning rate x the rule's scale, ``Accumulator.step`` with
@@ -15,10 +16,10 @@ plan from :class:`ShardedStream`, the learning rate x the rule's scale, ``Accumu
 ``--eval-every`` updates: on the regression the exact population loss, on the tiny GPT the mean loss
 per token over held-out sequences (the evaluation seed of ``train``). The figure per arm is the
 first evaluated update at which the held-out loss is at or below the target, and the valid units
-(rows, tokens) its windows held; "-" when not reached within ``--max-updates``. Ratios are the
-schedule's over the small batch's, per seed (the goal: <= 0.70 updates at <= 1.2x tokens).
+(rows, tokens) its windows held; "-" when not reached within the problem's update budget. Ratios
+are each schedule's over the small batch's, per seed (the goal: <= 0.70 updates at <= 1.2x tokens).
 
-    .venv/bin/python benchmarks/batch_schedule.py [--seeds 3] [--problems regression,gpt]
+    .venv/bin/python benchmarks/batch_schedule.py [--seeds 3] [--problems regression,gpt] [--fractions 1,0.5]
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def _held_out(problem: Problem, workload: Workload, seed: int) -> Callable[[torc
     return mean_loss
 
 
-def run_arm(problem: Problem, arm: str, seed: int) -> Reached:
-    """One arm of one seed: updates until the held-out loss reaches the target (or the budget ends)."""
+def run_arm(problem: Problem, arm: str, seed: int, fraction: float | None = None) -> Reached:
+    """One arm of one seed: updates until the held-out loss reaches the target (or the budget ends);
+    ``fraction`` overrides the schedule's for a ``schedule`` arm."""
     workload = problem.workload()
     torch.manual_seed(seed)
     model = workload.build_model().to(problem.dtype)
@@ -129,6 +131,8 @@ def run_arm(problem: Problem, arm: str, seed: int) -> Reached:
     apply_lr(optimizer, 1.0)
     acc = Accumulator(model, optimizer, max_grad_norm=1.0, noise_scale=True)
     start, config = problem.plan, problem.schedule
+    if fraction is not None:
+        config = dataclasses.replace(config, fraction=fraction)
     batch = CriticalBatchSchedule(config, start) if arm == "schedule" else None
     fixed = start
     if arm == "large":
@@ -193,44 +197,50 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--problems", default="regression,gpt")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--fraction", type=float, help="override the schedule's fraction of B_simple")
+    parser.add_argument("--fractions", default="1,0.5", help="one schedule arm per fraction of B_simple")
     parser.add_argument("--min-updates", type=int, help="override the schedule's min_updates")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.problems.split(","):
         problem = PROBLEMS[name]
-        overrides = {"fraction": args.fraction, "min_updates": args.min_updates}
-        given = {k: v for k, v in overrides.items() if v is not None}
-        if given:
-            problem = dataclasses.replace(problem, schedule=dataclasses.replace(problem.schedule, **given))
+        if args.min_updates is not None:
+            schedule = dataclasses.replace(problem.schedule, min_updates=args.min_updates)
+            problem = dataclasses.replace(problem, schedule=schedule)
+        fractions = [float(f) for f in args.fractions.split(",")]
         config = problem.schedule
         print(
             f"{name}: target held-out loss {problem.target}, start {problem.plan.equation()}, "
             f"max global batch {config.max_global_batch}, growth {config.growth:g}, min_updates "
-            f"{config.min_updates}, fraction {config.fraction:g}, lr rule {config.lr_rule}, "
+            f"{config.min_updates}, lr rule {config.lr_rule}, "
             f"{problem.optimizer} lr {problem.lr:g}, eval every {problem.eval_every} updates"
         )
-        head = f"  {'seed':>4} {'arm':>9} {'updates':>8} {'units':>10} {'end batch':>9} {'loss':>7}"
+        head = f"  {'seed':>4} {'arm':>10} {'updates':>8} {'units':>10} {'end batch':>9} {'loss':>7}"
         print(f"{head} {'wall s':>7}")
-        ratios: list[tuple[str, str]] = []
+        ratios: dict[str, list[tuple[str, str]]] = {f"sched {f:g}": [] for f in fractions}
         for seed in range(args.seeds):
+            arms = [("small", "small", None), ("large", "large", None)]
+            arms += [(f"sched {f:g}", "schedule", f) for f in fractions]
             got: dict[str, Reached] = {}
-            for arm in ("small", "large", "schedule"):
-                r = got[arm] = run_arm(problem, arm, seed)
+            for label, arm, fraction in arms:
+                r = got[label] = run_arm(problem, arm, seed, fraction)
                 print(
-                    f"  {seed:>4} {arm:>9} {_fmt(r.updates):>8} {_fmt(r.units):>10} {r.final_batch:>9} "
+                    f"  {seed:>4} {label:>10} {_fmt(r.updates):>8} {_fmt(r.units):>10} {r.final_batch:>9} "
                     f"{r.final_loss:>7.4f} {r.wall_s:>7.1f}",
                     flush=True,
                 )
-            small, sched = got["small"], got["schedule"]
-            ratios.append((_ratio(sched.updates, small.updates), _ratio(sched.units, small.units)))
-        print(
-            "  schedule / small per seed: updates "
-            + ", ".join(u for u, _ in ratios)
-            + "; units "
-            + ", ".join(t for _, t in ratios)
-            + " (goal: updates <= 0.70 at units <= 1.20)"
-        )
+            small = got["small"]
+            for label, pairs in ratios.items():
+                pairs.append(
+                    (_ratio(got[label].updates, small.updates), _ratio(got[label].units, small.units))
+                )
+        for label, pairs in ratios.items():
+            print(
+                f"  {label} / small per seed: updates "
+                + ", ".join(u for u, _ in pairs)
+                + "; units "
+                + ", ".join(t for _, t in pairs)
+                + " (goal: updates <= 0.70 at units <= 1.20)"
+            )
 
 
 if __name__ == "__main__":
