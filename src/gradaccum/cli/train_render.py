@@ -184,6 +184,13 @@ class TrainRenderer:
             console.print(f"eval loss {result.eval_loss:.4f}")
         if result.critical_batch is not None:
             console.print(escape(result.critical_batch))
+        if result.batch_schedule is not None:
+            b = result.batch_schedule
+            path = [b["start_global_batch"], *(c["global_batch"] for c in b["changes"])]
+            console.print(
+                f"batch schedule: global batch {' -> '.join(f'{g:,}' for g in path)} "
+                f"({count(len(b['changes']), 'change')}; lr rule {b['lr_rule']}; per step in metrics.jsonl)"
+            )
         # the same clock as the progress lines (time inside windows), then the whole wall time
         in_windows = self.tokens / self.seconds if self.seconds else 0.0
         console.print(

@@ -142,6 +142,8 @@ class TrainResult:
     """The gradient noise scale at the end (``accum.noise_scale``; this segment's windows)."""
     critical_batch: str | None = None
     """Where the global batch stands against B_simple, in words (``accum.noise_scale``)."""
+    batch_schedule: dict[str, Any] | None = None
+    """The batch-size schedule's settings and every change so far (``config.batch_schedule``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -586,4 +588,5 @@ def train(
         window_s=window_s,
         noise_scale=noise,
         critical_batch=words,
+        batch_schedule=None if s.batch is None else s.batch.to_dict(),
     )
