@@ -38,9 +38,9 @@ from gradaccum.check.workload import Workload
 from gradaccum.examples import tiny_gpt
 from gradaccum.examples.regression import _population, regression
 from gradaccum.plan import BatchPlan
+from gradaccum.train import evaluate
 from gradaccum.train.batch_schedule import CriticalBatchConfig, CriticalBatchSchedule
 from gradaccum.train.data import ShardedStream, eval_seed
-from gradaccum.train.evaluate import evaluate
 from gradaccum.train.schedule import apply_lr
 
 

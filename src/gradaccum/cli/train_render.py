@@ -53,8 +53,8 @@ class TrainRenderer:
             self._print(
                 f"global batch {event.from_global_batch:,} -> {event.global_batch:,} "
                 f"(accum_steps {event.accum_steps}) after step {event.step}: B_simple over the last "
-                f"windows ~ {event.b_simple:,.0f}, aiming at {event.target:,.1f} examples; lr x "
-                f"{event.lr_scale:.3g} of the starting batch's"
+                f"windows ~ {event.b_simple:,.0f}, aiming at {event.target:,.1f} examples (its lower "
+                f"bound); lr x {event.lr_scale:.3g} of the starting batch's"
             )
         elif isinstance(event, CheckpointRecord):
             self._print(

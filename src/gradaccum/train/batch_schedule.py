@@ -56,13 +56,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gradaccum.errors import PlanError
 from gradaccum.fielddocs import document_fields
 from gradaccum.plan import BatchPlan
-from gradaccum.step.noise import NoiseScale
 from gradaccum.values import require_int
+
+if TYPE_CHECKING:
+    from gradaccum.step.noise import NoiseScale
 
 __all__ = [
     "DEFAULT_GROWTH",
@@ -181,7 +183,8 @@ class BatchChange:
     b_simple: float
     """B_recent, the noise scale over the last ``min_updates`` windows, in the workload's units."""
     target: float
-    """fraction x B_recent in examples: the global batch aimed at."""
+    """The global batch aimed at, in examples: fraction x (B_recent - its standard error) over the
+    units per example (the batch grows to the smallest whole number of micro-batches reaching it)."""
     lr_scale: float
     """The learning-rate multiplier from the next window on (relative to the starting batch)."""
     kind: str = "batch"
@@ -236,12 +239,11 @@ class CriticalBatchSchedule:
         spread = math.fsum((t - recent * g) ** 2 for t, g in self._recent) / (n * (n - 1))
         se = math.sqrt(spread) / (grad_sq / n)
         per_pass = self.base.micro_batch * self.base.dp
-        target = self.config.fraction * recent / units_per_example
-        margin = self.config.fraction * se / units_per_example
+        target = self.config.fraction * (recent - se) / units_per_example
         current = self.accum_steps
-        if current * per_pass >= target - margin:
+        if current * per_pass >= target:
             return None
-        need = math.ceil((target - margin) / per_pass)
+        need = math.ceil(target / per_pass)
         capped = max(current + 1, math.floor(current * self.config.growth))
         new = min(need, capped, self.config.max_global_batch // per_pass)
         if new <= current:
