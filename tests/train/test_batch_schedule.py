@@ -10,16 +10,19 @@ Resume comparisons are exact (float64, one thread, same operations in the same o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from gradaccum.cli.main import main
 from gradaccum.errors import PlanError, TrainError
 from gradaccum.examples.regression import RegressionPopulation, regression
 from gradaccum.plan import BatchPlan
@@ -197,3 +200,91 @@ def test_bounds_that_contradict_the_plan_are_refused_naming_the_flag(
 def test_the_schedule_needs_the_noise_scale(tmp_path: Path) -> None:
     with pytest.raises(TrainError, match="set accum.noise_scale=True"):
         _config(tmp_path, accum=AccumConfig())
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+_CLI = [
+    "train",
+    "--workload",
+    "gradaccum.examples.regression:regression",
+    "--global-batch",
+    "8",
+    "--micro-batch",
+    "4",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.02",
+    "--schedule",
+    "constant",
+    "--warmup",
+    "0",
+    "--steps",
+    "40",
+    "--checkpoint-every",
+    "0",
+]
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--batch-schedule", "critical", "--max-global-batch", "4"], r"--max-global-batch\) 4 is below"),
+        (["--batch-schedule", "critical", "--max-global-batch", "30"], "use 28 or 32"),
+        (["--batch-schedule", "critical"], "give --max-global-batch"),
+        (["--max-global-batch", "64"], "add --batch-schedule critical"),
+        (["--batch-lr-rule", "keep"], "add --batch-schedule critical"),
+        (
+            ["--batch-schedule", "critical", "--max-global-batch", "64", "--batch-growth", "1"],
+            "--batch-growth",
+        ),
+        (
+            ["--batch-schedule", "critical", "--max-global-batch", "64", "--batch-lr-rule", "x"],
+            "--batch-lr-rule",
+        ),
+        (
+            ["--batch-schedule", "critical", "--max-global-batch", "64", "--global-batch", "4"],
+            r"accum_steps x dp >= 2",
+        ),
+    ],
+)
+def test_the_command_line_refuses_bad_bounds_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], match: str
+) -> None:
+    argv = [*_CLI, *flags, "--run-dir", str(tmp_path / "run")]  # a flag given twice: the last wins
+    with contextlib.suppress(SystemExit):
+        assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(match, err), err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_run_card_replays_the_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    schedule = ["--batch-schedule", "critical", "--max-global-batch", "64", "--batch-min-updates", "10"]
+    assert main([*_CLI, *schedule, "--run-dir", str(tmp_path / "first")]) == 0
+    out = capsys.readouterr().out
+    changes = _records(tmp_path / "first", "batch")
+    assert changes and "global batch 8 -> " in out and "batch schedule: global batch 8 -> " in out
+    card = tmp_path / "first" / "runcard.json"
+    recorded = json.loads(card.read_text())["extra"]["batch_schedule"]
+    assert recorded["max_global_batch"] == 64 and recorded["min_updates"] == 10
+    assert [c["global_batch"] for c in recorded["changes"]] == [c["global_batch"] for c in changes]
+
+    replay = ["train", "--runcard", str(card), "--steps", "40", "--schedule", "constant", "--warmup", "0"]
+    assert main([*replay, "--checkpoint-every", "0", "--run-dir", str(tmp_path / "again")]) == 0
+    assert "from run card: batch schedule critical, up to 64" in capsys.readouterr().out
+
+    def same(run_dir: Path) -> list[dict[str, Any]]:
+        timing = ("step_time_ms", "tokens_per_s")
+        return [
+            {k: v for k, v in r.items() if k not in timing}
+            for r in read_metrics(run_dir / "metrics.jsonl")
+            if r["kind"] in ("step", "batch")
+        ]
+
+    assert same(tmp_path / "again") == same(tmp_path / "first")
+    # beside the card, a batch flag would change what it fixes: refused, naming the card's value
+    assert main([*replay, "--max-global-batch", "128", "--run-dir", str(tmp_path / "third")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--max-global-batch 128 (the card has 64)" in err, err
