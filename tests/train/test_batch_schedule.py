@@ -28,7 +28,7 @@ from gradaccum.examples.regression import RegressionPopulation, regression
 from gradaccum.plan import BatchPlan
 from gradaccum.step.config import AccumConfig
 from gradaccum.train import TrainConfig, read_metrics, train
-from gradaccum.train.batch_schedule import CriticalBatchConfig
+from gradaccum.train.batch_schedule import CriticalBatchConfig, CriticalBatchSchedule
 from gradaccum.train.schedule import ScheduleConfig
 from tests.train.common import final_params
 
@@ -288,3 +288,30 @@ def test_a_run_card_replays_the_schedule(tmp_path: Path, capsys: pytest.CaptureF
     assert main([*replay, "--max-global-batch", "128", "--run-dir", str(tmp_path / "third")]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "--max-global-batch 128 (the card has 64)" in err, err
+
+
+def _state(**changes: Any) -> dict[str, Any]:
+    schedule = CriticalBatchSchedule(
+        CriticalBatchConfig(max_global_batch=64), BatchPlan(micro_batch=4, accum_steps=2)
+    )
+    return {**schedule.state_dict(), **changes}
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        (_state(accum_steps=17), r"outside \[2, 16\]"),
+        (_state(accum_steps=1), r"outside \[2, 16\]"),
+        (_state(recent=[[1.0]]), "pairs of finite floats"),
+        (_state(recent=[[1.0, float("nan")]]), "pairs of finite floats"),
+        (_state(base={"micro_batch": 2, "accum_steps": 4, "dp": 1}), "started from"),
+        ({"accum_steps": 2}, "holds exactly"),
+    ],
+)
+def test_a_bad_schedule_state_is_refused_and_changes_nothing(state: dict[str, Any], match: str) -> None:
+    schedule = CriticalBatchSchedule(
+        CriticalBatchConfig(max_global_batch=64), BatchPlan(micro_batch=4, accum_steps=2)
+    )
+    with pytest.raises(PlanError, match=match):
+        schedule.load_state_dict(state)
+    assert schedule.state_dict() == _state()
