@@ -12,29 +12,30 @@ loss than OLMo 1B's fixed batch in 43 % fewer updates.
 The rule, applied after every window once ``min_updates`` applied updates have passed since the
 start or the last change:
 
-    target = fraction x B_recent / (units per example)
-    B_recent = sum_w tr(Sigma)_w / sum_w |G|^2_w   over the last min_updates measured windows
-    grow   when global_batch < target - se (se: the standard error of fraction x B_recent, from the
-           windows' spread), to the smallest multiple of micro_batch x dp that reaches target - se,
-           capped at growth x global_batch and at max_global_batch.
+    B_recent = sum_w tr(Sigma)_w / sum_w |G|^2_w     over the last min_updates measured windows
+    target   = fraction x (B_recent - se) / (units per example)
+    grow     when global_batch < target, to the smallest multiple of micro_batch x dp that reaches
+             the target, capped at growth x global_batch and at max_global_batch
 
-B_recent is the accumulator's own per-window estimates (``noise_scale=True``:
-``NoiseScale.window_trace_cov`` and ``window_grad_sq``, unbiased each) combined as B_simple combines
-them, a ratio of sums, but over the last ``min_updates`` windows only. The accumulator's B_simple
-averages ~100 windows (beta 0.99): while |G|^2 falls fast early in a run it remembers the large
-early gradients and lags the current critical batch by tens of windows (on the regression example
-it read 18 at update 90 where the last 10 windows' figures gave ~800). Both figures are per unit,
-so windows at different batch sizes combine.
-The batch never shrinks (the critical batch grows over a run; shrinking on a noisy estimate would
-make the schedule chatter). Because it never shrinks, a decision taken on an estimate that noise
-pushed up would stay, and repeated decisions on a constant B_noise would ratchet the batch up to
-the largest of their estimates: aiming at the one-standard-error lower bound approaches B_noise
-from below (measured on the regression example with the weights held still, 16 runs: settled
-batch / B_noise 1.28-1.85 aiming at the estimate itself; see ``tests/train/test_batch_schedule.py``
-for the figures with the bound). The micro-batch stays fixed and ``accum_steps`` rises, so memory does not
-change; each update is still normalized by its own window's count (the step's W / N), so the update
-is exact whatever the window's length. B_simple is a per-unit figure, so its moving averages stay
-valid across a change.
+(se: the standard error of the ratio B_recent, by the delta method from the windows' spread).
+The micro-batch stays fixed and ``accum_steps`` rises, so memory does not change; each update is
+still normalized by its own window's count (the step's W / N), so it is exact whatever the
+window's length.
+
+B_recent combines the accumulator's own per-window estimates (``noise_scale=True``:
+``NoiseScale.window_trace_cov`` and ``window_grad_sq``, each unbiased) as B_simple does, a ratio
+of sums, but over the last ``min_updates`` windows only. The accumulator's B_simple averages ~100
+windows (beta 0.99): while |G|^2 falls fast early in a run it remembers the large early gradients
+and lags the current critical batch by tens of windows (on the regression example it read 18 at
+update 90 where the last 10 windows' figures gave ~800). Both figures are per unit, so windows at
+different batch sizes combine.
+
+The batch never shrinks: the critical batch grows over a run, and shrinking on a noisy estimate
+would make the schedule chatter. So a decision taken on an estimate that noise pushed up stays,
+and repeated decisions on a constant B_noise would ratchet the batch up to the largest of their
+estimates; aiming at the one-standard-error lower bound approaches B_noise from below (regression
+example with the weights held still, 16 runs: settled batch / B_noise 1.28-1.85 aiming at B_recent
+itself, 1.11-1.61 at the bound, where 1.11 is the rounding up to whole micro-batches).
 
 The learning rate when the batch grows from B_0 to B is multiplied by (B / B_0)^p:
 
@@ -47,9 +48,10 @@ The learning rate when the batch grows from B_0 to B is multiplied by (B / B_0)^
 * ``keep`` (p = 0): each change acts as a learning-rate decay (Smith et al. 2018, "Don't decay the
   learning rate, increase the batch size").
 
-Everything is a pure function of the state (:meth:`CriticalBatchSchedule.state_dict`), the noise
-estimate (in the accumulator's state) and the window's count, so a resumed run makes the same
-decisions, and a run on more ranks the same decisions on every rank.
+Every decision is a pure function of the schedule's state (:meth:`CriticalBatchSchedule.state_dict`,
+the recent windows' figures included) and of the figures every rank reads alike (the all-reduced
+noise estimate, the window's global count), so a resumed run makes the same decisions, and so does
+every rank of a data-parallel run.
 """
 
 from __future__ import annotations
@@ -269,9 +271,10 @@ class CriticalBatchSchedule:
             **self.config.to_dict(),
             "start_global_batch": self.base.global_batch,
             "rule": "after a window, once min_updates updates passed since the last change: grow the "
-            "global batch (accum_steps, micro-batch fixed) toward fraction x B_recent (tr(Sigma) over "
-            "|G|^2 summed over the last min_updates measured windows), at most growth x "
-            "per change, up to max_global_batch; never shrink; lr x (B / B_0)^p for the lr_rule",
+            "global batch (accum_steps, micro-batch fixed) toward fraction x (B_recent - its standard "
+            "error), B_recent = tr(Sigma) over |G|^2 summed over the last min_updates measured windows; "
+            "at most growth x per change, up to max_global_batch; never shrink; lr x (B / B_0)^p for "
+            "the lr_rule (keep 0, sqrt 1/2, linear 1)",
             "changes": [asdict(c) for c in self.changes],
         }
 
