@@ -2,11 +2,14 @@
 
 Per window (one optimizer boundary):
 
-1. draw window ``w`` of the deterministic stream; every rank knows its global count N;
+1. draw window ``w`` of the deterministic stream, at the batch-size schedule's current plan when
+   there is one; every rank knows its global count N;
 2. set the learning rate from the schedule's clock after this update (steps: applied + 1;
-   tokens: consumed + N), recomputed from the counters, never from a scheduler's own count;
+   tokens: consumed + N), recomputed from the counters, never from a scheduler's own count, times
+   the batch-size schedule's lr rule;
 3. ``Accumulator.step``: the exact update (or a skip on every rank, which advances no clock);
-4. update the counters, report, evaluate if due;
+4. update the counters, report, let the batch-size schedule decide the next window's batch
+   (:mod:`gradaccum.train.batch_schedule`), evaluate if due;
 5. agree across ranks on pending checkpoint/stop requests and on whether the checkpoint interval
    has passed, and checkpoint at this boundary if a request, the periodic cadence (applied updates
    or minutes since the last checkpoint, whichever comes first) or the end of the run calls for it.
