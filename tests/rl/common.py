@@ -121,3 +121,58 @@ def rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> floa
     num = math.sqrt(sum(float((got[k] - want[k]).norm()) ** 2 for k in want))
     den = math.sqrt(sum(float(want[k].norm()) ** 2 for k in want))
     return num / den
+
+
+# -- preference pairs -------------------------------------------------------------------------------
+
+PAIR_SHAPES = ((3, 4, 6), (2, 7, 2), (4, 1, 5), (3, 6, 6), (2, 3, 8), (5, 2, 1), (3, 5, 3), (2, 8, 4))
+"""(prompt length, chosen response length, rejected response length) per pair."""
+BETA = 0.5
+
+
+def pairs(seed: int = 1) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    n = len(PAIR_SHAPES)
+    out: dict[str, torch.Tensor] = {}
+    for side, col in (("chosen", 1), ("rejected", 2)):
+        ids = torch.randint(1, VOCAB, (n, SEQ), generator=gen)
+        mask = torch.zeros(n, SEQ, dtype=torch.long)
+        for r, shape in enumerate(PAIR_SHAPES):
+            mask[r, shape[0] : shape[0] + shape[col]] = 1
+            ids[r, shape[0] + shape[col] :] = 0
+        out[f"{side}_input_ids"], out[f"{side}_response_mask"] = ids, mask
+        out[f"ref_{side}_logprobs"] = -2.0 * shape_lengths(mask) + torch.randn(
+            n, generator=gen, dtype=torch.float64
+        )
+    return out
+
+
+def shape_lengths(mask: torch.Tensor) -> torch.Tensor:
+    return mask.sum(dim=1).to(torch.float64)
+
+
+def reference_preference_loss(model: nn.Module, batch: dict, objective: str) -> torch.Tensor:
+    """Mean over pairs of DPO's or IPO's loss, each response's log-prob summed token by token."""
+    losses = []
+    for r in range(batch["chosen_input_ids"].shape[0]):
+        ratios, lengths = [], []
+        for side in ("chosen", "rejected"):
+            ids = batch[f"{side}_input_ids"][r : r + 1]
+            logp = torch.log_softmax(model(ids), dim=-1)[0]
+            total = sum(
+                (logp[t - 1, ids[0, t]] for t in range(1, SEQ) if batch[f"{side}_response_mask"][r, t]),
+                torch.zeros((), dtype=torch.float64),
+            )
+            ratios.append(total - batch[f"ref_{side}_logprobs"][r])
+            lengths.append(max(int(batch[f"{side}_response_mask"][r, 1:].sum()), 1))
+        if objective == "dpo":
+            losses.append(-torch.nn.functional.logsigmoid(BETA * (ratios[0] - ratios[1])))
+        else:
+            losses.append((ratios[0] / lengths[0] - ratios[1] / lengths[1] - 1 / (2 * BETA)) ** 2)
+    return torch.stack(losses).mean()
+
+
+def reference_preference_grads(batch: dict, objective: str) -> dict[str, torch.Tensor]:
+    model = TinyPolicy()
+    reference_preference_loss(model, batch, objective).backward()
+    return grads(model)
