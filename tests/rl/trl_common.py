@@ -117,6 +117,7 @@ def grpo(cls: type, out: Path, loss_type: str, **extra: Any) -> tuple[Any, Updat
     from trl import GRPOConfig
 
     tok = tokenizer()
+    kwargs = {"exact": extra.pop("exact")} if "exact" in extra else {}
     args = GRPOConfig(
         output_dir=str(out),
         per_device_train_batch_size=MICRO,
@@ -128,10 +129,9 @@ def grpo(cls: type, out: Path, loss_type: str, **extra: Any) -> tuple[Any, Updat
         loss_type=loss_type,
         beta=0.0,
         shuffle_dataset=False,
-        **COMMON,
+        **{**COMMON, **extra},
     )
     updates = Updates()
-    kwargs = {"exact": extra.pop("exact")} if "exact" in extra else {}
     data = Dataset.from_dict({"prompt": PROMPTS * 4})
     trainer = cls(
         model=model(tok),
