@@ -153,28 +153,43 @@ PAIRS = {
 }
 """Six pairs: micro-batches of 4 and 2 pairs in one update of k = 2."""
 
+PAIRS_8 = {
+    key: [*values, *extra]
+    for (key, values), extra in zip(
+        PAIRS.items(), (["a cat", "far"], [" on the mat", " home"], [" ran away", " near"]), strict=True
+    )
+}
+"""Eight pairs: one window of 2 micro-batches of 2 pairs on each of two ranks."""
 
-def dpo(cls: type, out: Path) -> tuple[Any, Updates]:
+
+def dpo(
+    cls: type, out: Path, pairs: dict[str, list[str]] = PAIRS, per_device: int = 4, precompute: bool = True
+) -> tuple[Any, Updates]:
+    """A DPO run of one update; ``precompute=False`` computes the reference log-probs per micro-batch
+    (TRL's precomputed ones need a dataset on disk under DDP: rank 0 writes them into its own
+    temporary folder for an in-memory dataset, where the other rank cannot read them)."""
     from datasets import Dataset
     from trl import DPOConfig
 
     tok = tokenizer()
     args = DPOConfig(
         output_dir=str(out),
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=per_device,
         gradient_accumulation_steps=K,
         max_steps=1,
         beta=0.5,
-        precompute_ref_log_probs=True,
+        precompute_ref_log_probs=precompute,
         **COMMON,
     )
     updates = Updates()
+    reference = {} if precompute else {"ref_model": model(tok)}  # the same initial weights, frozen
     trainer = cls(
         model=model(tok),
         args=args,
-        train_dataset=Dataset.from_dict(PAIRS),
+        train_dataset=Dataset.from_dict(pairs),
         processing_class=tok,
         callbacks=[updates],
+        **reference,
     )
     trainer.train()
     return trainer, updates
@@ -186,8 +201,9 @@ def start_model(run: Updates, update: int) -> LlamaForCausalLM:
     return fresh
 
 
-def pairs_batch(trainer: Any) -> dict[str, torch.Tensor]:
-    """The training set's pairs in PreferenceLoss's contract, right-padded to one length."""
+def pairs_batch(trainer: Any, reference: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """The training set's pairs in PreferenceLoss's contract, right-padded to one length; the
+    reference log-probs from the dataset (precomputed) or from ``reference`` (float64)."""
     rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
     seqs = {side: [r["prompt_ids"] + r[f"{side}_ids"] for r in rows] for side in ("chosen", "rejected")}
     width = max(len(s) for side in seqs.values() for s in side)
@@ -202,9 +218,14 @@ def pairs_batch(trainer: Any) -> dict[str, torch.Tensor]:
             mask[i, len(row["prompt_ids"]) : len(seq)] = 1
         out[f"{side}_input_ids"], out[f"{side}_response_mask"] = ids, mask
         out[f"{side}_attention_mask"] = attention
-        out[f"ref_{side}_logprobs"] = torch.tensor(
-            [r[f"ref_{side}_logps"] for r in rows], dtype=torch.float64
-        )
+        if reference is None:
+            refs = torch.tensor([r[f"ref_{side}_logps"] for r in rows], dtype=torch.float64)
+        else:
+            with torch.no_grad():
+                logp = torch.log_softmax(reference(input_ids=ids, attention_mask=attention).logits, dim=-1)
+            taken = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+            refs = (taken * mask[:, 1:]).sum(dim=1)
+        out[f"ref_{side}_logprobs"] = refs
     return out
 
 
