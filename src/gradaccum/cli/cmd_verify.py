@@ -77,10 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="an explicit partition, e.g. 1,3,4 (default: none, equal micro-batches of --micro-batch)",
     )
     p.add_argument(
-        "--dtype",
+        "--check-precision",
+        "--dtype",  # the earlier name, kept
+        dest="dtype",
         choices=VERIFY_DTYPES,
         default="float64",
-        help="precision of the stage-1 diagnostic (default float64)",
+        help="precision of the stage-1 diagnostic (default float64; --dtype is the same flag)",
     )
     p.add_argument(
         "--trace-steps",
@@ -91,10 +93,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default 5)",
     )
     p.add_argument(
-        "--trace-dtype",
+        "--precision",
+        "--trace-dtype",  # the earlier name, kept
+        dest="trace_dtype",
         choices=TRACE_DTYPES,
         default="float32",
-        help="production precision of stage 2 (default float32)",
+        help="production precision of stage 2, as --precision of train, bench and accept (default "
+        "float32; --trace-dtype is the same flag)",
     )
     p.add_argument(
         "--cached",
@@ -200,6 +205,30 @@ def _render_report(report: EquivalenceReport, workload: Workload) -> None:
     render_findings(report.findings, details=False)
 
 
+def weak_reasons(report: EquivalenceReport, workload: Workload) -> list[str]:
+    """Why a passing check proves less than it seems: what it could not have seen, and why."""
+    reasons = []
+    counts = report.counts
+    if len(counts) > 1 and len(set(counts)) == 1:
+        reasons.append(
+            f"every micro-batch counts the same number of {workload.unit} ({counts[0]:,}): a mean of means "
+            "weighs them equally too, so this check cannot see a weighting error; give it micro-batches "
+            "of uneven counts (--sizes, or data whose rows differ in length)"
+        )
+    rows = workload.extras.get("train_rows")
+    spec = workload.extras.get("spec")
+    if isinstance(rows, int) and spec is not None and getattr(spec, "data", None):
+        from gradaccum.workloads.hf import repeats
+
+        repeated = repeats(rows, sum(report.sizes), spec.data)
+        if repeated is not None:
+            reasons.append(
+                f"the verification {repeated}: copies of one row in different micro-batches count the "
+                "same, so uneven weighting cannot show; use a file with more rows (documents)"
+            )
+    return reasons
+
+
 def _fmt(x: float) -> str:
     return "skipped" if math.isnan(x) else f"{x:.6g}"
 
@@ -291,7 +320,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.trace_steps:
         console.print("[bold]stage 2[/bold]: not run, because stage 1 failed")
     passed = report.passed and (trace is None or trace.passed)
-    console.print(f"[bold]verdict[/bold]: {mark(passed)}")
+    weak = weak_reasons(report, workload) if passed else []
+    for reason in weak:
+        console.print(f"[yellow]weak check[/yellow]: {escape(reason)}")
+    console.print(f"[bold]verdict[/bold]: {mark(passed)}" + (" (a weak check: see above)" if weak else ""))
     console.print(f"  stage 1: {escape(report.summary())}")
     if trace is not None:
         console.print(f"  stage 2: {escape(trace.summary())}")

@@ -51,8 +51,14 @@ from gradaccum.distributed.sync import (
     sync_module,
 )
 from gradaccum.errors import ConfigError, CountError, SyncError, TooManySkipsError, WindowError
-from gradaccum.mesh.layout import DATA_ROLES, MeshLayout
 from gradaccum.mesh.reduction import averaging_factor, clip_mesh_grads_, local_squares
+from gradaccum.mesh.step import (
+    check_sync_policy,
+    layout_for_step,
+    raise_replica_mismatch,
+    replica_slots,
+    replicas_agree,
+)
 from gradaccum.step.agreement import (
     LocalFailure,
     agree_before_backward,
@@ -69,7 +75,7 @@ from gradaccum.step.agreement import (
     unreached_parameters,
 )
 from gradaccum.step.checks import as_count, check_window_shapes
-from gradaccum.step.config import AccumConfig, StepResult, SyncPolicy
+from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.noise import NoiseScale, NoiseScaleMeter
 from gradaccum.step.norms import clip_grads_, nonfinite_flag, scale_grads_, total_norm, uniform_plain
@@ -100,6 +106,7 @@ default; a framework whose backward must run its own hooks passes its own (Light
 
 ZERO_COUNT = "the window holds zero valid units on every rank"
 _STATE_KEYS = ("steps_applied", "steps_skipped", "consecutive_skips")
+_NOISE_KEY = "noise"
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,20 +245,21 @@ class WindowEngine:
         backward: Backward | None = None,
         pipeline: bool = False,
         synced: nn.Module | None = None,
-        factor: float | None = None,
     ) -> None:
         """``mesh``/``mesh_dims``: the DeviceMesh the model was parallelized with (see
         :mod:`gradaccum.mesh`); ``pipeline``: a pipeline schedule runs the micro-batches, and
         every stage counts the same window (:class:`gradaccum.pipeline.PipelineAccumulator`);
         ``synced``: the module whose wrapper synchronizes gradients, when ``model`` is not it
-        (a pipeline's stage modules); ``factor``: what the gradient reductions divide by, where
-        the wrapper's settings do not tell (DDP inside a pipeline schedule)."""
+        (a pipeline's stage modules)."""
         if not isinstance(config, AccumConfig):
             raise ConfigError(f"config must be a gradaccum.AccumConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        from gradaccum.integrations.accelerate import refuse_accelerated_scheduler  # here: no import cycle
+
+        refuse_accelerated_scheduler(scheduler)  # it steps W times per update; names prepare_accumulator
         self.model = model
         self.optimizer = optimizer
         self.config = config
@@ -282,7 +290,11 @@ class WindowEngine:
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._distributed = dist.is_distributed(dp_group)
-        self.layout = self._read_mesh(mesh, mesh_dims, pipeline)
+        self.layout = layout_for_step(
+            mesh, mesh_dims, model=model, config=config, dp_group=dp_group, pipeline=pipeline
+        )
+        if self.layout is not None:
+            self._distributed = dist.is_distributed()
         data_ranks = self.layout.data_size if self.layout else dist.world_size(dp_group)
         if data_ranks > 1 and self.kind == "local":
             raise SyncError(
@@ -291,10 +303,10 @@ class WindowEngine:
                 "in DistributedDataParallel or fully_shard (FSDP2) before building the Accumulator."
             )
         # the W of W/N, and the ranks that hold the same tokens (whose sums count each unit once)
-        self.factor = factor if factor is not None else averaging_factor(self._synced, self.kind, data_ranks)
+        self.factor = averaging_factor(self._synced, self.kind, data_ranks)
         self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
         self._loss_replicas = self.layout.tp if self.layout else 1
-        self._policy = _sync_policy(config, self.kind, self.layout)
+        self._policy = check_sync_policy(config, self.kind, self.layout)
         self._norm_holders = self.layout.world // self.layout.pp if self.layout else 1
         settings: dict[str, Any] = dataclasses.asdict(config)
         settings["sync"] = self.kind
@@ -323,38 +335,6 @@ class WindowEngine:
             )
             and any(True for _ in self._synced.buffers())
         )
-
-    def _read_mesh(self, mesh: Any, mesh_dims: Mapping[str, str] | None, pipeline: bool) -> MeshLayout | None:
-        """The mesh by role, checked against the model and the process group (see :mod:`gradaccum.mesh`)."""
-        if mesh is None:
-            if mesh_dims is not None:
-                raise ConfigError("mesh_dims was given without a mesh; pass mesh=<the DeviceMesh> too")
-            return None
-        if self.dp_group is not None:
-            raise ConfigError(
-                "pass mesh= or dp_group=, not both: on a mesh the step derives its groups from the "
-                "mesh's named dimensions"
-            )
-        layout = MeshLayout.read(mesh, mesh_dims)
-        if layout.world != dist.world_size():
-            raise ConfigError(
-                f"the mesh spans {layout.world} ranks but the default process group has "
-                f"{dist.world_size()}: build the mesh over every rank of the job"
-            )
-        if layout.pp > 1 and not pipeline:
-            raise ConfigError(
-                f"the mesh has {layout.names['pp']}={layout.pp} pipeline stages; a pipeline-parallel "
-                "model steps with gradaccum.pipeline.PipelineAccumulator, whose schedule runs the "
-                "micro-batches"
-            )
-        layout.check_model(self.model, mesh)
-        if self.config.noise_scale:
-            raise ConfigError(
-                "noise_scale=True is not supported with mesh=: the estimate reads whole per-micro-batch "
-                "gradients, which a mesh spreads over shards. Measure it on a data-parallel run."
-            )
-        self._distributed = dist.is_distributed()
-        return layout
 
     def _check_post(self) -> None:
         """Refuse what post-scaling cannot do, before the first window."""
@@ -409,10 +389,15 @@ class WindowEngine:
 
     # -- counters -------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, int]:
-        """The counters a resumed run needs: applied and skipped updates, consecutive skips."""
+    def state_dict(self) -> dict[str, Any]:
+        """The counters a resumed run needs: applied and skipped updates, consecutive skips; with
+        ``noise_scale=True`` also the noise scale's moving averages (``noise``), so the estimate
+        continues across a resume instead of restarting."""
         self.settle_counters()
-        return {key: int(getattr(self, key)) for key in _STATE_KEYS}
+        state: dict[str, Any] = {key: int(getattr(self, key)) for key in _STATE_KEYS}
+        if self._noise is not None:
+            state[_NOISE_KEY] = self._noise.state_dict()
+        return state
 
     def settle_counters(self) -> None:
         """Add the updates decided on the device to the host counters (one host read, if any)."""
@@ -426,10 +411,17 @@ class WindowEngine:
             self.consecutive_skips = consecutive
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s counters, refusing missing, unknown or negative values."""
-        if not isinstance(state, dict) or set(state) != set(_STATE_KEYS):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(f"an accumulator state_dict holds exactly {list(_STATE_KEYS)}, got {got}")
+        """Restore :meth:`state_dict`, refusing missing, unknown or negative values. A state without
+        ``noise`` (an older checkpoint, or a run without the estimate) leaves the estimate empty; a
+        ``noise`` entry is ignored by an accumulator that does not measure it (it never changes the
+        update)."""
+        got = set(state) if isinstance(state, dict) else None
+        if got is None or not set(_STATE_KEYS) <= got <= {*_STATE_KEYS, _NOISE_KEY}:
+            shown = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(
+                f"an accumulator state_dict holds exactly {list(_STATE_KEYS)} (and {_NOISE_KEY!r} with "
+                f"noise_scale=True), got {shown}"
+            )
         for key in _STATE_KEYS:
             value = state[key]
             require_int(f"accumulator state {key}", value, low=0, error=ConfigError)
@@ -439,6 +431,8 @@ class WindowEngine:
                 f"steps_skipped={state['steps_skipped']}: not a state a run can reach"
             )
         self._device_counters = None
+        if self._noise is not None and _NOISE_KEY in state:
+            self._noise.load_state_dict(state[_NOISE_KEY])  # validates before changing anything
         for key in _STATE_KEYS:
             setattr(self, key, state[key])
 
@@ -537,7 +531,8 @@ class WindowEngine:
         ledger.add("broadcasting_ranks", self.kind == "ddp" and self._synced.will_sync_module_buffers())  # type: ignore[operator]
         ledger.add("fingerprint", self._fingerprint)
         if replicas > 1:
-            ledger.add("replica_counts", self._at_data_index(local_count, k))
+            assert self.layout is not None
+            ledger.add("replica_counts", replica_slots(self.layout, local_count, k))
         missed: list[str] = []
         if post is not None:
             if failure is not None and dist.looks_like_comm_failure(failure.error):
@@ -549,8 +544,10 @@ class WindowEngine:
             ledger.add("tally", self._zero.new_zeros(2) if tally is None else tally)
         settled = ledger.settle(self.dp_group, what="the window's counts")
         totals = settled.unpack(CountTotals)
-        if replicas > 1:
-            self._check_replicas(settled.value("replica_counts"), local_count, k)  # type: ignore[arg-type]
+        if replicas > 1 and not replicas_agree(settled.value("replica_counts"), replicas):  # type: ignore[arg-type]
+            self.zero_grad()
+            assert self.layout is not None
+            raise_replica_mismatch(self.layout, local_count, k, self.dp_group)
         if not fingerprints_agree(totals.fingerprint, world):
             self.zero_grad()
             raise_mismatch(self._settings, self.model, self.dp_group)
@@ -579,38 +576,6 @@ class WindowEngine:
         reduced = settled.value("tally") if post is not None else None
         counted = WindowCount(counts, local_count, global_count, n, min_count, world, self.factor, post)
         return counted, reduced  # type: ignore[return-value]
-
-    def _at_data_index(self, local_count: torch.Tensor, k: int) -> torch.Tensor:
-        """[c, c^2, k, k^2] at this rank's data index, zeros elsewhere (see :meth:`_agree_on_counts`)."""
-        assert self.layout is not None
-        slots = torch.zeros(self.layout.data_size, 4, dtype=torch.float64, device=self.device)
-        count = local_count.to(torch.float64)
-        slots[self.layout.data_index] = torch.stack(
-            [count, count * count, count.new_tensor(k), count.new_tensor(k * k)]
-        )
-        return slots.reshape(-1)
-
-    def _check_replicas(self, sums: list[float], local_count: torch.Tensor, k: int) -> None:
-        """Refuse, on every rank, counts or micro-batch numbers that differ between ranks holding the
-        same tokens (TP ranks, pipeline stages): their N would not be one number."""
-        replicas = self._count_replicas
-        rows = [sums[i : i + 4] for i in range(0, len(sums), 4)]
-        if all(replicas * sq == c * c and replicas * ksq == kk * kk for c, sq, kk, ksq in rows):
-            return
-        assert self.layout is not None
-        mine = (dist.rank(), self.layout.coordinate, int(local_count.item()), k)
-        everyone = dist.all_gather_objects(mine, self.dp_group, what="the ranks' counts")
-        self.zero_grad()
-        by_index: dict[tuple[int, ...], list[str]] = {}
-        for rank, coordinate, count, micro in everyone:
-            key = tuple(coordinate[r] for r in DATA_ROLES)
-            by_index.setdefault(key, []).append(f"rank {rank}: {count} units in {micro} micro-batches")
-        differ = [f"[{'; '.join(v)}]" for v in by_index.values() if len({x.split(": ")[1] for x in v}) > 1]
-        raise ConfigError(
-            "ranks that hold the same tokens (tensor-parallel ranks, pipeline stages) counted different "
-            f"windows: {', '.join(differ)}. Give every TP rank and every stage of a pipeline the same "
-            "micro-batches (the data loader must shard by the data dimensions only)."
-        )
 
     def accumulate(
         self,
@@ -1169,22 +1134,6 @@ class WindowEngine:
             self.zero_grad()
             raise_from_sync_backward(exc, index, self.dp_group)
         self._resync = False
-
-
-def _sync_policy(config: AccumConfig, kind: SyncKind, layout: MeshLayout | None) -> SyncPolicy:
-    """The config's sync policy, refused where the model cannot follow it."""
-    policy = config.policy
-    if policy == "defer_replicate":
-        replicated = layout is not None and layout.sizes["dp_replicate"] > 1
-        if kind != "fsdp2" or not replicated:
-            raise ConfigError(
-                "sync_policy='defer_replicate' reduce-scatters over the shards every micro-batch and "
-                "all-reduces over the replicas once: it needs a model under FSDP2 on a mesh with "
-                f"dp_replicate > 1 (HSDP), passed as mesh=; this model is {kind} "
-                f"{'without a mesh' if layout is None else 'on ' + layout.describe()}. "
-                "Use 'defer' or 'every'."
-            )
-    return policy
 
 
 def _refuse_static_graph(model: nn.Module, kind: SyncKind, defer_sync: bool) -> None:

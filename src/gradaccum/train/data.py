@@ -121,31 +121,42 @@ class ShardedStream:
         self.float_dtype = float_dtype
         self.start, self.stop = shard_bounds(plan, rank)
 
-    def window(self, index: int) -> Window:
-        """Window ``index``: this rank's micro-batches and the global batch's valid count."""
-        full = self.make_batch(self.plan.global_batch, train_seed(self.seed, index))
+    def window(self, index: int, plan: BatchPlan | None = None) -> Window:
+        """Window ``index``: this rank's micro-batches and the global batch's valid count.
+
+        ``plan``: this window's plan when the global batch changes during the run (a batch-size
+        schedule); the stream's own plan otherwise. Window ``index`` is then the first
+        ``plan.global_batch`` examples of its seed, so it depends on the plan as well as the index.
+        """
+        plan = self.plan if plan is None else plan
+        start, stop = (self.start, self.stop) if plan == self.plan else shard_bounds(plan, self.rank)
+        full = self.make_batch(plan.global_batch, train_seed(self.seed, index))
         drawn = batch_size(full)
-        if drawn != self.plan.global_batch:
+        if drawn != plan.global_batch:
             raise TrainError(
-                f"make_batch({self.plan.global_batch}, seed) returned {drawn} examples; the workload "
+                f"make_batch({plan.global_batch}, seed) returned {drawn} examples; the workload "
                 "must return exactly the number of examples asked for"
             )
         global_count = int(torch.as_tensor(self.count_fn(full)))
-        local = self._prepare(take(full, self.start, self.stop))
+        local = self._prepare(take(full, start, stop))
         return Window(
             index=index,
-            micro_batches=split(local, micro_batch=self.plan.micro_batch),
+            micro_batches=split(local, micro_batch=plan.micro_batch),
             global_count=global_count,
         )
 
     def eval_batches(self, examples: int) -> list[Batch]:
-        """This rank's share of the held-out batch, cut into micro-batches.
+        """This rank's share of the held-out batch, cut into micro-batches: from
+        ``make_batch.held_out(n, seed)`` when the workload's ``make_batch`` has one (rows it never
+        trains on), else ``make_batch`` with an evaluation seed (fresh examples for generated data).
 
         ``examples`` is rounded up to a multiple of ``dp`` so that every rank runs the same number
         of forwards (FSDP2 gathers parameters in each one; unequal counts would hang).
         """
         per_rank = -(-examples // self.plan.dp)
-        full = self.make_batch(per_rank * self.plan.dp, eval_seed(self.seed, 0))
+        # a workload that holds rows out (hf: files) draws the evaluation from them alone
+        draw = getattr(self.make_batch, "held_out", self.make_batch)
+        full = draw(per_rank * self.plan.dp, eval_seed(self.seed, 0))
         local = self._prepare(take(full, self.rank * per_rank, (self.rank + 1) * per_rank))
         step = self.plan.micro_batch
         return [take(local, i, min(i + step, per_rank)) for i in range(0, per_rank, step)]
