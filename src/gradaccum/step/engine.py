@@ -472,6 +472,15 @@ class WindowEngine:
                     raise
                 failure = LocalFailure(exc, "count_fn", len(counts))
                 counts = []
+        local_count, min_count = self._sum_counts(counts)
+        if not self._distributed:
+            if not micro_batches:
+                raise WindowError("the window is empty: step needs at least one micro-batch")
+            return WindowCount(counts, local_count, local_count, None, min_count, 1, self.factor)
+        return self._agree_on_counts(len(micro_batches), counts, local_count, min_count, failure)[0]
+
+    def _sum_counts(self, counts: list[int | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's count (float64 on the device) and the smallest tensor count (or None)."""
         host_counts = 0
         device_counts: list[torch.Tensor] = []
         for c in counts:
@@ -479,20 +488,10 @@ class WindowEngine:
                 host_counts += c
             else:
                 device_counts.append(c)
-        min_count: torch.Tensor | None = None
-        if device_counts:
-            stacked = torch.stack(device_counts).to(
-                device=self.device, dtype=torch.float64, non_blocking=True
-            )
-            local_count = stacked.sum() + host_counts if host_counts else stacked.sum()
-            min_count = stacked.min()
-        else:
-            local_count = torch.tensor(float(host_counts), dtype=torch.float64, device=self.device)
-        if not self._distributed:
-            if not micro_batches:
-                raise WindowError("the window is empty: step needs at least one micro-batch")
-            return WindowCount(counts, local_count, local_count, None, min_count, 1, self.factor)
-        return self._agree_on_counts(len(micro_batches), counts, local_count, min_count, failure)[0]
+        if not device_counts:
+            return torch.tensor(float(host_counts), dtype=torch.float64, device=self.device), None
+        stacked = torch.stack(device_counts).to(device=self.device, dtype=torch.float64, non_blocking=True)
+        return (stacked.sum() + host_counts if host_counts else stacked.sum()), stacked.min()
 
     def _agree_on_counts(
         self,
@@ -658,11 +657,8 @@ class WindowEngine:
             check_sync_on(model)
         if distributed and kind in ("fsdp", "fsdp2"):
             self._agree_on_length(length)
-        counts: list[int | torch.Tensor] = []
-        host_count = 0
-        device_count: torch.Tensor | None = None
-        min_count: torch.Tensor | None = None
-        loss = self._zero
+        counts: list[int | torch.Tensor] = []  # 0-dim tensors or ints: a few bytes per micro-batch
+        losses: list[torch.Tensor] = []
         c: torch.Tensor | None = None
         failure: LocalFailure | None = None
         k = 0
@@ -692,12 +688,6 @@ class WindowEngine:
                 try:
                     count = as_count(count_fn(mb), i)
                     counts.append(count)
-                    if isinstance(count, int):
-                        host_count += count
-                    else:
-                        value = count.to(device=self.device, dtype=torch.float64).reshape(())
-                        device_count = value if device_count is None else device_count + value
-                        min_count = value if min_count is None else torch.minimum(min_count, value)
                     if c is None:
                         c = post_constant(
                             count, length, self.device, expected=self._expected, distributed=distributed
@@ -705,17 +695,17 @@ class WindowEngine:
                     phase = "forward"
                     piece = contribute(i, mb, count, c)
                     if piece.loss is not None:
-                        loss = loss + piece.loss.to(torch.float64)
+                        losses.append(piece.loss)
                     if not syncs:
                         phase = "backward"
                         self.backward(piece.backprop)
                 except Exception as exc:
                     failure = LocalFailure(exc, phase, i)
                 if distributed and (last or failure is not None):
-                    local = self._local_count(host_count, device_count)
+                    local, smallest = self._sum_counts(counts)
                     counted, reduced = self._meet_streamed(
-                        k, counts, local, min_count, failure, post=c, piece=piece, index=i,
-                        tally=torch.stack([loss, self._zero]),
+                        k, counts, local, smallest, failure, post=c, piece=piece, index=i,
+                        tally=self._tally(losses, []),
                     )  # fmt: skip
                     if syncs and piece is not None:
                         self._sync_backward(piece.backprop, i)
@@ -734,18 +724,18 @@ class WindowEngine:
             if last:
                 break
             item = mb = piece = None  # hold no micro-batch while the next ones are read
-        local = self._local_count(host_count, device_count)
+        local, smallest = self._sum_counts(counts)
         if distributed:  # the window ended before a last micro-batch: empty, or a read failed
             if c is None:
                 c = self._zero + 1
-            self._meet_streamed(k, counts, local, min_count, failure, post=c, index=k)
+            self._meet_streamed(k, counts, local, smallest, failure, post=c, index=k)
             raise AssertionError("unreachable: an empty window or a failure raises on every rank")
         if not k:
             raise WindowError("the window is empty: step needs at least one micro-batch")
         assert c is not None
-        counted = WindowCount(counts, local, local, None, min_count, 1, self.factor, c)
+        counted = WindowCount(counts, local, local, None, smallest, 1, self.factor, c)
         self._expected = local / self.factor
-        return counted, Accumulated(loss, self._zero, False, k)
+        return counted, Accumulated(self._tally(losses, [])[0], self._zero, False, k)
 
     def _meet_streamed(self, *args: Any, **kwargs: Any) -> tuple[WindowCount, list[float] | None]:
         """The post-scaling meeting (:meth:`_agree_on_counts`); after a raise there, DDP expects the
@@ -785,11 +775,6 @@ class WindowEngine:
                 world, 0 if first is None else 1, empty, 0, 0, defer_sync=True, kind=self.kind
             )
         return first
-
-    def _local_count(self, host_count: int, device_count: torch.Tensor | None) -> torch.Tensor:
-        if device_count is None:
-            return torch.tensor(float(host_count), dtype=torch.float64, device=self.device)
-        return device_count + host_count if host_count else device_count
 
     def _agree_on_length(self, length: int | None) -> None:
         """FSDP under post-scaling: every rank's forward all-gathers parameters, so a rank that ran
