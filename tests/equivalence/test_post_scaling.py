@@ -20,7 +20,7 @@ import torch
 
 from gradaccum import AccumConfig, Accumulator, CachedAccumulator, ConfigError, StepResult, WindowError, split
 from gradaccum.distributed.comm import count_sync_points
-from gradaccum.errors import CacheError
+from gradaccum.errors import CacheError, CountError
 from gradaccum.step.stream import DeviceStepResult, post_constant
 from tests.helpers import models
 from tests.helpers.reference import full_batch_grads, grads_of, max_rel_err, params_of
@@ -279,3 +279,20 @@ def test_a_post_window_with_a_fused_optimizer_never_synchronizes_on_cuda() -> No
             torch.cuda.set_sync_debug_mode(0)
     assert result.applied and result.step == 2
     assert max_rel_err(params_of(post), params_of(pre)) < ADAM_TOL
+
+
+def test_a_negative_tensor_count_is_refused_where_the_device_is_read() -> None:
+    batch = models.gpt_batch(4, seed=1)
+
+    def negative(mb: Any) -> torch.Tensor:
+        return -models.tokens(mb)
+
+    _, post, _, b = _pair([], opt=lambda p: torch.optim.Adam(p, lr=0.1, fused=True))
+    before = params_of(post)
+    result = b.step(_lazy(batch, [2, 2]), models.gpt_loss, negative)  # decided on the device: skipped
+    with pytest.raises(CountError, match="negative count"):
+        _ = result.applied
+    assert max_rel_err(params_of(post), before) == 0
+    _, _, _, plain = _pair([])  # a plain optimizer reads the verdict in the step, and raises there
+    with pytest.raises(CountError, match="negative count"):
+        plain.step(_lazy(batch, [2, 2]), models.gpt_loss, negative)
