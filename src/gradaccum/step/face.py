@@ -68,7 +68,8 @@ class EngineFace:
 
     @property
     def on_step(self) -> list[Callable[[StepResult], None]]:
-        """Hooks called with each applied step's result (append to add one)."""
+        """Hooks called with each applied step's result (append to add one). Where post-scaling
+        decides the update on the device, with every window's result: read ``result.applied``."""
         return self._engine.on_step
 
     @property
