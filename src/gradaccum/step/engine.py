@@ -66,6 +66,7 @@ from gradaccum.step.agreement import (
     rank_settings,
 )
 from gradaccum.step.checks import as_count, check_window_shapes
+from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.noise import NoiseScale, NoiseScaleMeter
 from gradaccum.step.norms import clip_grads_, nonfinite_flag, total_norm, uniform_plain
@@ -217,6 +218,7 @@ class WindowEngine:
         self._settings = rank_settings(settings, model) if self._distributed else settings
         self._fingerprint = fingerprint(self._settings) if self._distributed else []
         self._noise = self._noise_meter() if config.noise_scale else None
+        self._compiles = CompileCounter()  # graphs torch.compile builds during a window
 
     def _noise_meter(self) -> NoiseScaleMeter:
         if self.kind in ("fsdp", "fsdp2"):
@@ -267,6 +269,7 @@ class WindowEngine:
         """Materialize the window. Under torch.distributed a failure is returned, not raised, so
         that :meth:`count` carries it to the other ranks instead of leaving them waiting there."""
         self._distributed = dist.is_distributed(self.dp_group)
+        self._compiles.start()
         failure: LocalFailure | None = None
         try:
             micro_batches = window if type(window) is list else list(window)
@@ -527,6 +530,7 @@ class WindowEngine:
             grad_norm=norm_host if (norm is not None and config.wants_norm) else None,
             applied=True,
             step=self.steps_applied,
+            recompiles=self._compiles.since(),
         )
         for hook in self.on_step:
             hook(result)
@@ -555,6 +559,7 @@ class WindowEngine:
             applied=False,
             skip_reason=reason,
             step=self.steps_applied,
+            recompiles=self._compiles.since(),
         )
 
     # -- helpers --------------------------------------------------------------------------------
