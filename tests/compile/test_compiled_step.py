@@ -186,3 +186,22 @@ def test_a_static_compile_with_padding_builds_one_graph_per_padded_length() -> N
     # past dynamo's recompile_limit of 8, after which it would silently run eager)
     assert sum(r.recompiles for r in results) == 2
     torch.compiler.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor's C++ build: ~45 s unloaded, 7 min measured on a loaded 2-core CPU
+def test_inductor_compiled_update_equals_the_full_batch_reference_in_float64() -> None:
+    torch.compiler.reset()
+    model = models.gpt(seed=7)
+    state = copy.deepcopy(model.state_dict())
+    fast = torch.compile(model)  # the default backend: inductor, float64 C++ kernels on this CPU
+    acc = Accumulator(fast, torch.optim.SGD(fast.parameters(), lr=0.0))
+    for seed in (8, 9):  # equal micro-batch shapes: one graph, compiled in the first window only
+        batch = models.gpt_batch(6, seed=seed)
+        result = acc.step(split(batch, micro_batch=3), models.gpt_loss, models.tokens)
+        assert result.recompiles == (1 if seed == 8 else 0)
+        ref = models.gpt(seed=7)
+        ref.load_state_dict(state)
+        want = full_batch_grads(ref, batch, models.gpt_loss, models.tokens)
+        assert max_rel_err(_unprefixed(grads_of(fast)), want) < REL_TOL
+    torch.compiler.reset()
