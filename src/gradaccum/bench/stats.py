@@ -107,6 +107,10 @@ class ConfigSummary:
     """FSDP2: gradient bytes reduce-scattered per update per rank."""
     reduce_scatter_bytes_per_sync: int | None = None
     """FSDP2: bytes one synchronizing backward reduce-scatters (the padded gradient set)."""
+    compile_s: float | None = None
+    """Compiled rows: median over runs of what compiling cost (see ``Measurement.compile_s``)."""
+    recompiles: int = 0
+    """Compiled rows: graphs compiled during the measured updates, summed over runs."""
 
     @property
     def comm_bytes_per_update(self) -> int | None:
@@ -187,6 +191,9 @@ class ConfigSummary:
             "reduce_scatter_bytes_per_update": self.reduce_scatter_bytes_per_update,
             "reduce_scatter_bytes_per_sync": self.reduce_scatter_bytes_per_sync,
             "comm_bytes_per_update": self.comm_bytes_per_update,
+            "compile": self.spec.compile,
+            "compile_s": self.compile_s,
+            "recompiles": self.recompiles,
         }
 
 
@@ -240,4 +247,6 @@ def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
         reduce_scatter_calls_per_update=first.reduce_scatter_calls_per_update if first else None,
         reduce_scatter_bytes_per_update=first.reduce_scatter_bytes_per_update if first else None,
         reduce_scatter_bytes_per_sync=first.reduce_scatter_bytes_per_sync if first else None,
+        compile_s=_median_of([m.compile_s for m in done]),
+        recompiles=sum(m.recompiles for m in done),
     )
