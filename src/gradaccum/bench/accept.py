@@ -427,6 +427,7 @@ def make_runcard(
         device=str(environment.get("device", settings.device)),
         git_commit=environment.get("git_commit"),
         verdict=verdict.decision,
+        compile=settings.compile,
         extra={
             "chosen": "candidate" if verdict.adopt else "baseline",
             "baseline": spec.baseline.label(),

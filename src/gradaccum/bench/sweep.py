@@ -298,6 +298,7 @@ def advised_runcard(
         versions=dict(environment.get("versions", {})),
         device=str(environment.get("device", settings.device)),
         git_commit=environment.get("git_commit"),
+        compile=summary.spec.compile,
         extra={
             "source": "gradaccum bench --memory-budget",
             "advice": advice.sentence,

@@ -14,12 +14,15 @@ __all__ = ["build_model", "build_optimizer"]
 
 
 def build_model(workload: Workload, config: TrainConfig, device: torch.device) -> nn.Module:
-    """The workload's model in the run's dtype and device, wrapped for data parallelism (DDP, or
-    FSDP2 with ``config.fsdp``; see :func:`gradaccum.distributed.wrap.wrap_model`)."""
+    """The workload's model in the run's dtype and device, compiled with ``config.compile``, wrapped
+    for data parallelism (DDP, or FSDP2 with ``config.fsdp``; see
+    :func:`gradaccum.distributed.wrap.wrap_model`)."""
     model = workload.build_model()
     if config.precision == "float64":
         model = model.to(torch.float64)
     model = model.to(device)
+    if config.compile:
+        model.compile()  # in place: DDP(compile(m)), and checkpoints keep the parameter names
     try:
         return wrap_model(model, device, fsdp=config.fsdp)
     except SyncError as exc:

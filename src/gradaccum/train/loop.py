@@ -314,6 +314,7 @@ def _train_window(s: _Session) -> StepRecord:
         step_time_ms=elapsed * 1e3,
         tokens_per_s=n / elapsed if elapsed > 0 else 0.0,
         b_simple=s.acc.noise_scale.b_simple if s.acc.config.noise_scale else None,
+        recompiles=result.recompiles,
     )
 
 
@@ -378,6 +379,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
         denominator=workload.unit,
         tokens_per_step=s.tokens_per_step,
         seed=config.seed,
+        compile=config.compile,
         **environment(s.device),
         extra={
             "schedule": s.schedule.to_dict(),

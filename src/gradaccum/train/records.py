@@ -99,6 +99,8 @@ class StepRecord:
     b_simple: float | None = None
     """The gradient noise scale B_simple after this window, in the workload's units (``--noise-scale``;
     None without it, or before it has an estimate)."""
+    recompiles: int = 0
+    """Graphs torch.compile compiled during this window (``StepResult.recompiles``; 0 eager)."""
     kind: str = "step"
 
 
