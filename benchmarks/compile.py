@@ -7,12 +7,16 @@ each runner once, in a rotating order, against the same round's compiled hand lo
 runs (min..max); "hand copy" is a second compiled hand loop (the A/A noise floor) and "eager" the
 step on an uncompiled model (what compiling buys here). Target: compiled step <= 1.02x.
 
-Compile time is timed apart: the first window of each runner (which compiles) minus its median
-warm window. Recompiles per 100 windows: ``StepResult.recompiles`` summed over 100 windows of
+Compile time is timed apart, from a reset dynamo: a runner's first window (which compiles) minus
+its median warm window. Inductor keeps compiled kernels and graphs in an on-disk cache
+(/tmp/torchinductor_$USER), so a second process compiles the same graph in seconds; ``--cold``
+turns the caches off (``torch.compiler.config.force_disable_caches``) to time a first compile.
+Recompiles per 100 windows: ``StepResult.recompiles`` summed over 100 windows of
 2-4 sequences of 8-64 tokens after a 5-window warm-up, once with torch's automatic dynamic shapes
 and once with ``dynamic=False`` and ``gradaccum.windows(..., pad_to_multiple=16)`` (4 rows).
 
     .venv/bin/python benchmarks/compile.py [--runs 3] [--rounds 20] [--backend inductor] [--threads 1]
+                                           [--cold]
 """
 
 from __future__ import annotations
@@ -108,10 +112,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--cold", action="store_true", help="turn inductor's on-disk caches off")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    torch.compiler.config.force_disable_caches = args.cold
     print(
-        f"torch {torch.__version__}, backend {args.backend}, {args.threads} thread(s), {args.runs} runs "
+        f"torch {torch.__version__}, backend {args.backend}{' (caches off)' if args.cold else ''}, "
+        f"{args.threads} thread(s), {args.runs} runs "
         f"of {args.rounds} rounds, k={K} x {MICRO}x{SEQ_LEN} tokens; paired ratio to the compiled hand "
         "loop, median over runs (min..max)"
     )

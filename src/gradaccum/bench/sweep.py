@@ -127,7 +127,7 @@ class SweepSpec:
             "global_batch": self.global_batch,
             "dp": self.dp,
             "plans": None if self.plans is None else [asdict(p) for p in self.plans],
-            **self.settings.to_dict(),
+            **{k: v for k, v in self.settings.to_dict().items() if k != "compile"},
             "memory_budget_bytes": self.memory_budget_bytes,
             "checkpointing": list(self.checkpointing),
             "sharding": list(self.sharding),
