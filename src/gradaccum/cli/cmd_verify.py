@@ -109,6 +109,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the packed check instead: the workload's documents packed and padded must give the same "
         "update under token and document normalization (hf: workloads, or extras['documents'])",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the candidate's model (in place, torch's default backend) in stage 1 and "
+        "check it against the eager full-batch update; stage 2 runs eager",
+    )
     p.add_argument("--device", default="cpu", help="where to run, e.g. cuda:0 (default cpu)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="initialization/data seed")
     p.set_defaults(func=run)
@@ -268,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         seed=args.seed,
         candidate_step=candidate,
+        compile=args.compile,
     )
     if args.cached:
         report = dataclasses.replace(report, findings=tuple(_handled_by_cache(f) for f in report.findings))
