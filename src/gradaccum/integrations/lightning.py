@@ -43,6 +43,7 @@ from gradaccum.distributed import dist
 from gradaccum.distributed.sync import sync_deferred, sync_kind
 from gradaccum.errors import ConfigError, CountError, LossError
 from gradaccum.step.checks import as_count
+from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import StepResult
 
 __all__ = ["window_step"]
@@ -117,6 +118,7 @@ def window_step(
     world = dist.world_size() if kind == "ddp" else 1
     device = module.device
 
+    compiles = CompileCounter()  # StepResult.recompiles: graphs compiled during this window
     # 1. count the whole window before the first backward, and agree on N across the ranks
     counts = [as_count(count_fn(mb), i) for i, mb in enumerate(micro_batches)]
     stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts]).to(torch.float64)
@@ -132,7 +134,8 @@ def window_step(
     local_n, global_n = int(local.item()), int(global_host)
     optimizer.zero_grad(set_to_none=True)
     if global_n == 0:
-        return _skipped(module, local_n, 0, len(micro_batches), None, "the window holds zero valid units")
+        reason = "the window holds zero valid units"
+        return _skipped(module, local_n, 0, len(micro_batches), None, reason, compiles.since())
 
     # 2. each micro-batch adds sum_t l_t / N; DDP then averages over W ranks, so scale by W / N
     scale64 = torch.reciprocal(total) * world
@@ -156,7 +159,7 @@ def window_step(
     if not math.isfinite(loss_value):
         optimizer.zero_grad(set_to_none=True)
         reason = f"non-finite loss ({loss_value})"
-        return _skipped(module, local_n, global_n, len(micro_batches), None, reason)
+        return _skipped(module, local_n, global_n, len(micro_batches), None, reason, compiles.since())
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm))
@@ -171,6 +174,7 @@ def window_step(
         grad_norm=grad_norm,
         applied=True,
         step=int(trainer.global_step),
+        recompiles=compiles.since(),
     )
 
 
@@ -184,7 +188,13 @@ def _step_schedulers(module: pl.LightningModule) -> None:
 
 
 def _skipped(
-    module: pl.LightningModule, local_n: int, global_n: int, k: int, loss: float | None, reason: str
+    module: pl.LightningModule,
+    local_n: int,
+    global_n: int,
+    k: int,
+    loss: float | None,
+    reason: str,
+    recompiles: int,
 ) -> StepResult:
     return StepResult(
         loss=loss,
@@ -195,4 +205,5 @@ def _skipped(
         applied=False,
         skip_reason=reason,
         step=int(module.trainer.global_step),
+        recompiles=recompiles,
     )
