@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "compare_traces": "gradaccum.check.traces",
     "scan": "gradaccum.hazards.scanner",
     "guard": "gradaccum.hazards.sanitizer",
-    "Workload": "gradaccum.check.workload",
+    "Workload": "gradaccum.workloads.base",
     # their reports
     "EquivalenceReport": "gradaccum.check.report",
     "PackedReport": "gradaccum.check.packed",
@@ -116,7 +116,6 @@ if TYPE_CHECKING:
     from gradaccum.check.packed import PackedReport, verify_packed
     from gradaccum.check.report import EquivalenceReport, TraceReport
     from gradaccum.check.traces import compare_traces
-    from gradaccum.check.workload import Workload
     from gradaccum.errors import (
         ConfigError,
         CountError,
@@ -140,6 +139,7 @@ if TYPE_CHECKING:
     from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive
     from gradaccum.step.config import AccumConfig, StepResult
     from gradaccum.step.noise import NoiseScale
+    from gradaccum.workloads.base import Workload
 
 
 def __getattr__(name: str) -> Any:

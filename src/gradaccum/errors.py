@@ -34,14 +34,13 @@ already catch those keep working. The tree::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
-    from gradaccum.hazards.rules import GuardFinding
+    import torch
 
 __all__ = [
     "BenchError",
@@ -56,6 +55,7 @@ __all__ = [
     "EquivalenceError",
     "GradAccumError",
     "GuardError",
+    "GuardFinding",
     "GuardSetupError",
     "GuardWarning",
     "LossError",
@@ -149,8 +149,35 @@ class RankFailedError(GradAccumError, RuntimeError):
         """Every failing rank's report, in rank order."""
 
 
-class WindowOutOfMemoryError(RankFailedError, torch.cuda.OutOfMemoryError):
-    """Out of memory in this window (on any rank); raised on every rank, so all may retry together."""
+# WindowOutOfMemoryError is also torch's OutOfMemoryError, so that code catching torch's error catches
+# it too; naming that base imports torch, which nothing else here needs. The class is built on first
+# use (PEP 562 module __getattr__), so that the command line's parsers, the plan arithmetic and
+# everything that only raises or catches the other errors load without torch (gradaccum --help).
+if TYPE_CHECKING:
+
+    class WindowOutOfMemoryError(RankFailedError, torch.OutOfMemoryError):
+        """Out of memory in this window (on any rank); raised on every rank, so all may retry together."""
+
+else:
+    _lazy_lock = threading.Lock()
+
+    def __getattr__(name: str) -> Any:
+        if name != "WindowOutOfMemoryError":
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        with _lazy_lock:
+            if name not in globals():
+                import torch
+
+                class WindowOutOfMemoryError(RankFailedError, torch.OutOfMemoryError):
+                    """Out of memory in this window (on any rank); raised on every rank, so all may
+                    retry together."""
+
+                WindowOutOfMemoryError.__qualname__ = name  # pickled by name, as if defined here
+                globals()[name] = WindowOutOfMemoryError
+        return globals()[name]
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | {"WindowOutOfMemoryError"})
 
 
 class TooManySkipsError(GradAccumError, RuntimeError):
@@ -171,6 +198,31 @@ class RunCardError(GradAccumError, ValueError):
 
 class CacheError(GradAccumError, ValueError):
     """Representations that cannot be cached and replayed exactly (wrong type, not reproducible)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GuardFinding:
+    """One misuse: the rule, the user's line that did it, the figures, and the fix."""
+
+    code: str
+    """The rule's code, a key of ``GUARD_RULES``."""
+    message: str
+    """What happened, with the counts involved."""
+    fix: str
+    """What to change in the loop."""
+    filename: str
+    """The user's file: the first frame outside gradaccum and torch."""
+    lineno: int
+    """The line in ``filename``."""
+    window: int
+    """Optimizer steps completed before the window where it happened (0-based window index)."""
+
+    @property
+    def location(self) -> str:
+        return f"{self.filename}:{self.lineno}"
+
+    def __str__(self) -> str:
+        return f"{self.location}: [{self.code}] {self.message} Fix: {self.fix}"
 
 
 class GuardError(GradAccumError, RuntimeError):

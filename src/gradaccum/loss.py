@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from gradaccum.batch import batch_size
 from gradaccum.errors import ConfigError, CountError, CountTypeError, LossError
 from gradaccum.fielddocs import document_fields
+from gradaccum.names import NORMALIZATIONS, Normalization
 from gradaccum.packing import block_causal_mask, document_segments
 
 __all__ = [
@@ -100,8 +101,6 @@ def summed_cross_entropy(
 
 # -- causal-LM loss with a choice of denominator ---------------------------------------------------
 
-Normalization = Literal["token", "sequence", "document"]
-NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
 _UNITS = {"token": "tokens", "sequence": "sequences", "document": "documents"}
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
 

@@ -87,6 +87,26 @@ class BatchPlan:
         return cls(micro_batch=micro_batch, accum_steps=accum_steps, dp=world_size // model_parallel)
 
     @classmethod
+    def from_mesh(
+        cls,
+        mesh: object,
+        *,
+        micro_batch: int,
+        accum_steps: int,
+        mesh_dims: Mapping[str, str] | None = None,
+    ) -> BatchPlan:
+        """The plan on a DeviceMesh (or ``{name: size}``): dp = dp_replicate x dp_shard.
+
+        Context-parallel ranks split each sequence and tensor- and pipeline-parallel ranks split
+        the model, so none of them multiplies the batch (see :mod:`gradaccum.mesh.layout`)."""
+        from gradaccum.mesh.layout import role_sizes
+
+        sizes = role_sizes(mesh, mesh_dims)
+        return cls(
+            micro_batch=micro_batch, accum_steps=accum_steps, dp=sizes["dp_replicate"] * sizes["dp_shard"]
+        )
+
+    @classmethod
     def solve(cls, *, global_batch: int, micro_batch: int, dp: int = 1) -> BatchPlan:
         """The plan that reaches ``global_batch`` with this micro-batch and replica count."""
         global_batch = _positive_int("global_batch", global_batch)

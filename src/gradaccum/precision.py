@@ -7,10 +7,12 @@ updates are skipped and counted).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn as nn
+
+from gradaccum.names import PRECISIONS, Precision
 
 __all__ = [
     "PRECISIONS",
@@ -23,9 +25,6 @@ __all__ = [
     "param_dtype",
 ]
 
-Precision = Literal["float64", "float32", "bfloat16", "float16"]
-PRECISIONS: tuple[Precision, ...] = ("float64", "float32", "bfloat16", "float16")
-"""Every precision a command, a run card or a training run takes."""
 
 _AUTOCAST: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 

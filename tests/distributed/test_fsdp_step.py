@@ -59,3 +59,32 @@ def test_fsdp2_unequal_micro_batch_counts_fail_on_every_rank_instead_of_hanging(
     outcomes = run_ranks(_fsdp2_step, True, {0: [2, 2, 1], 1: [2, 1]}, timeout_s=60)
     assert [o.error_type for o in outcomes] == ["WindowError", "WindowError"]
     assert "fsdp2 gathers parameters in every forward" in outcomes[1].error
+
+
+def _sync_flags_after_contexts(rank: int, world: int) -> list[tuple[bool, bool]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradaccum.distributed.sync import fsdp2_sync_flags, sync_deferred
+
+    model = models.gpt()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    seen = [fsdp2_sync_flags(model)]  # FSDP2's default: both on
+    with sync_deferred(model, "fsdp2"):
+        seen.append(fsdp2_sync_flags(model))
+    seen.append(fsdp2_sync_flags(model))  # restored: on
+    model.set_requires_gradient_sync(False)  # the caller's own setting, outside the step
+    with sync_deferred(model, "fsdp2"):
+        pass
+    seen.append(fsdp2_sync_flags(model))  # restored: still off, as the caller left it
+    model.set_requires_gradient_sync(True)
+    model.set_requires_all_reduce(False)
+    with sync_deferred(model, "fsdp2", replicate_only=True):
+        seen.append(fsdp2_sync_flags(model))
+    seen.append(fsdp2_sync_flags(model))
+    return seen
+
+
+def test_fsdp2_sync_context_restores_the_previous_state() -> None:
+    for seen in values(run_ranks(_sync_flags_after_contexts, timeout_s=60)):
+        on, off = (True, True), (False, False)
+        assert seen == [on, off, on, off, (True, False), (True, False)]

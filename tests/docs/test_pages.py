@@ -126,3 +126,22 @@ def test_every_bundled_workload_is_on_the_workloads_page() -> None:
     assert set(bundled) == {"tiny_gpt", "bn_cnn", "contrastive"}
     for name in bundled:
         assert f"gradaccum.examples:{name}" in text
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_mesh_example_runs_exactly_on_four_processes() -> None:
+    script = DOCS / "examples" / "mesh_accumulate.py"
+    assert '--8<-- "examples/mesh_accumulate.py"' in (DOCS / "distributed.md").read_text(encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mesh dp_shard=2 x tp=2: " in proc.stdout
+    match = re.search(r"largest relative difference from the full batch: (\S+)", proc.stdout)
+    assert match is not None, proc.stdout
+    assert float(match.group(1)) <= 1e-12  # float64, summation order only

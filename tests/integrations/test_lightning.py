@@ -60,6 +60,36 @@ class ExactLM(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=M * K, collate_fn=common.collate_aligned)
 
 
+class FaultyLM(ExactLM):
+    """Window ``FAULTY`` goes wrong on rank 1 only: a NaN loss, or a finite loss with a NaN gradient."""
+
+    def __init__(self, examples: int, shard: tuple[int, int], fault: str) -> None:
+        super().__init__(examples, shard)
+        self.fault = fault
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        faulty = batch_idx == FAULTY and self.shard[0] == 1
+        handle = None
+        if faulty and self.fault == "gradient":
+            # the hook runs before DDP's reducer, so the NaN reaches both ranks' averaged gradient
+            handle = self.net.mix.weight.register_hook(lambda grad: grad * float("nan"))
+
+        def faulty_loss(module: Any, mb: dict[str, Any]) -> torch.Tensor:
+            loss = loss_fn(module, mb)
+            return loss * float("nan") if faulty and self.fault == "loss" else loss
+
+        try:
+            micro_batches = gradaccum.split(batch, micro_batch=M)
+            self.results.append(window_step(self, micro_batches, faulty_loss, count_fn))
+        finally:
+            if handle is not None:
+                handle.remove()
+
+
+FAULTY = 1
+"""The window (DataLoader batch index) that FaultyLM spoils on rank 1."""
+
+
 class PlainLM(ExactLM):
     """The control: automatic optimization with accumulate_grad_batches=K over micro-batches."""
 
@@ -153,6 +183,11 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     fit(module, devices=world, strategy="ddp", use_distributed_sampler=False)
     out["trainer"] = common.params(module.net)
     out["trainer windows"] = [(r.micro_batches, r.local_count, r.global_count) for r in module.results]
+    for fault in ("loss", "gradient"):
+        faulty = FaultyLM(2 * EXAMPLES, shard=(rank, world), fault=fault)
+        fit(faulty, devices=world, strategy="ddp", use_distributed_sampler=False)
+        out[f"{fault} fault"] = common.params(faulty.net)
+        out[f"{fault} fault windows"] = [(r.applied, r.skip_reason or "") for r in faulty.results]
 
     # "32-true" leaves the float64 module and its outputs alone ("64-true" casts outputs back to the
     # default float32 after the forward, which would put float32 logits into the loss)
@@ -201,6 +236,21 @@ def test_trainer_under_ddp_with_a_short_last_window(ranks: list[dict[str, Any]])
     assert windows[0][0][1] != windows[1][0][1] and windows[0][0][2] == windows[1][0][2]
     for r in ranks:
         assert common.update_error(r["trainer"], want, start) < 1e-12
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", ["loss", "gradient"])
+def test_trainer_skips_a_window_on_both_ranks_when_one_ranks_loss_or_gradient_is_not_finite(
+    ranks: list[dict[str, Any]], fault: str
+) -> None:
+    # window 1 is skipped on both ranks (gradients cleared, no step): the update is windows 0 and 2
+    want, start = reference([list(range(8)), list(range(16, 20))])
+    for r in ranks:
+        applied = [a for a, _ in r[f"{fault} fault windows"]]
+        assert applied == [True, False, True]
+        assert "non-finite" in r[f"{fault} fault windows"][FAULTY][1]
+        assert all(torch.isfinite(p).all() for p in r[f"{fault} fault"].values())
+        assert common.update_error(r[f"{fault} fault"], want, start) < 1e-12
 
 
 def fabric_reference() -> tuple[common.Params, common.Params]:

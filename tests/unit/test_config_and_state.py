@@ -37,6 +37,8 @@ WRONG: list[tuple[str, Any, str]] = [
     ("max_consecutive_skips", 2.0, "max_consecutive_skips must be a positive integer"),
     ("max_consecutive_skips", True, "max_consecutive_skips must be a positive integer"),
     ("max_consecutive_skips", 0, "max_consecutive_skips must be a positive integer"),
+    ("sync_policy", "lazy", r"sync_policy must be one of \['defer', 'defer_replicate', 'every'\]"),
+    ("sync_policy", None, "sync_policy must be one of"),
 ]
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from gradaccum import BatchPlan, PlanError, windows
+from gradaccum import BatchPlan, ConfigError, PlanError, windows
 from gradaccum.plan import compare_plans, factorizations
 
 
@@ -73,3 +73,15 @@ def test_windows_keep_the_short_final_window() -> None:
     assert list(windows([], 3)) == []
     with pytest.raises(PlanError):
         list(windows(range(3), 0))
+
+
+def test_from_mesh_multiplies_the_batch_by_data_replicas_and_shards_only() -> None:
+    shape = {"dp_replicate": 2, "dp_shard": 4, "cp": 2, "tp": 2, "pp": 2}
+    plan = BatchPlan.from_mesh(shape, micro_batch=2, accum_steps=8)
+    assert plan.dp == 8 and plan.global_batch == 2 * 8 * 8
+    renamed = BatchPlan.from_mesh(
+        {"fsdp": 4, "tp": 2}, micro_batch=1, accum_steps=2, mesh_dims={"dp_shard": "fsdp"}
+    )
+    assert renamed.dp == 4
+    with pytest.raises(ConfigError, match="play no known role"):
+        BatchPlan.from_mesh({"fsdp": 4}, micro_batch=1, accum_steps=1)

@@ -37,9 +37,8 @@ from gradaccum.distributed import dist
 from gradaccum.errors import CacheError
 from gradaccum.loss import count_examples
 from gradaccum.rng import RngState, capture_rng, replaying
-from gradaccum.step.accumulator import _UNSET, resolve_config
 from gradaccum.step.agreement import LocalFailure
-from gradaccum.step.config import AccumConfig, LossReduction, StepResult
+from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import ZERO_COUNT, Contribute, Contribution, CountFn, Observer, WindowEngine
 from gradaccum.step.face import EngineFace
 
@@ -82,35 +81,24 @@ class CachedAccumulator(EngineFace):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
-        max_grad_norm: float | None = _UNSET,
+        max_grad_norm: float | None = None,
         scaler: Any = None,
         *,
-        loss_reduction: LossReduction = _UNSET,
-        defer_sync: bool = _UNSET,
-        track_grad_norm: bool = _UNSET,
-        skip_nonfinite: bool = _UNSET,
-        max_consecutive_skips: int | None = _UNSET,
-        agree_on_failure: bool = _UNSET,
         config: AccumConfig | None = None,
         dp_group: Any = None,
         on_step: Sequence[Callable[[StepResult], None]] = (),
         observer: Observer | None = None,
         replay_rtol: float | None = DEFAULT_REPLAY_RTOL,
+        **settings: Any,
     ) -> None:
         """``replay_rtol``: the largest relative L2 difference allowed between a micro-batch's
         representations in the first and the second pass (``None``: shapes only). The default
         tolerates kernels that round differently with and without a graph, and catches an encoder
-        that does not repeat itself, such as dropout drawn from a generator other than torch's."""
-        keywords = {
-            "max_grad_norm": max_grad_norm,
-            "loss_reduction": loss_reduction,
-            "defer_sync": defer_sync,
-            "track_grad_norm": track_grad_norm,
-            "skip_nonfinite": skip_nonfinite,
-            "max_consecutive_skips": max_consecutive_skips,
-            "agree_on_failure": agree_on_failure,
-        }
-        config = resolve_config(config, keywords)
+        that does not repeat itself, such as dropout drawn from a generator other than torch's.
+        ``settings``: :class:`AccumConfig`'s fields as keywords, when no ``config`` is given."""
+        if max_grad_norm is not None:  # the one setting also taken positionally; None = not given
+            settings["max_grad_norm"] = max_grad_norm
+        config = AccumConfig.resolve(config, settings)
         if config.noise_scale:
             raise CacheError(
                 "noise_scale=True is not supported by CachedAccumulator: an objective over the whole "
@@ -230,7 +218,7 @@ class CachedAccumulator(EngineFace):
         local, metas = self._exchange_shapes(first)
         cached = first.cached
         grads: list[list[torch.Tensor]] = [[] for _ in cached]
-        loss = engine._zero
+        loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         failure: LocalFailure | None = None
         try:
             everyone, starts = gather_reps(local, metas, engine.dp_group)

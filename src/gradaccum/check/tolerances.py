@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GRAD_TOLERANCES", "MAX_TRACE_STEPS", "PARAM_TOLERANCES", "TRACE_TOLERANCES", "Tolerance"]
+from gradaccum.names import MAX_TRACE_STEPS
 
-MAX_TRACE_STEPS = 50
-"""The longest window the trace tolerances are declared for."""
+__all__ = ["GRAD_TOLERANCES", "MAX_TRACE_STEPS", "PARAM_TOLERANCES", "TRACE_TOLERANCES", "Tolerance"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

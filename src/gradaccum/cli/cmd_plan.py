@@ -51,6 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="sequences in one epoch (default 25600)",
     )
     p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="NAME=SIZE,...",
+        help="the device mesh, e.g. dp_replicate=2,dp_shard=4,cp=2,tp=2,pp=2: the batch equation "
+        "with its dimensions (dp = dp_replicate x dp_shard; cp, tp and pp ranks share samples); "
+        "each plan's DP must equal the mesh's",
+    )
+    p.add_argument(
         "--final-window",
         choices=("keep", "drop"),
         default="keep",
@@ -70,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         names = [name for name, _ in named]
         repeated = sorted({name for name in names if names.count(name) > 1})
         raise PlanError(f"plan names must be unique; {', '.join(repeated)} is given more than once")
+    if args.mesh is not None:
+        _print_mesh(args.mesh, plans)
     comparison = compare_plans(
         plans, seq_len=args.seq_len, dataset_size=args.dataset_size, final_window=args.final_window
     )
@@ -111,3 +121,28 @@ def run(args: argparse.Namespace) -> int:
     for line in comparison.verdicts():
         console.print(line)
     return 0
+
+
+def _print_mesh(text: str, plans: dict[str, BatchPlan]) -> None:
+    """The mesh's part of the batch equation; a plan whose DP the mesh does not give is refused."""
+    from gradaccum.mesh.layout import ROLES, parse_mesh, role_sizes
+
+    shape = parse_mesh(text)
+    sizes = role_sizes(shape)
+    dp = sizes["dp_replicate"] * sizes["dp_shard"]
+    world = 1
+    for size in sizes.values():
+        world *= size
+    for name, plan in plans.items():
+        if plan.dp != dp:
+            raise PlanError(
+                f"plan {name} has dp={plan.dp} but the mesh {text} gives dp = dp_replicate x dp_shard "
+                f"= {sizes['dp_replicate']} x {sizes['dp_shard']} = {dp}; write the plan as MICROx{dp}xACCUM"
+            )
+    shown = " x ".join(f"{role}={sizes[role]}" for role in ROLES)
+    console.print(f"mesh {shown} = {world} ranks")
+    console.print(
+        f"  dp = dp_replicate x dp_shard = {dp}: they hold different samples and multiply the batch; "
+        f"cp={sizes['cp']} ranks split each sequence (the count N sums over them), tp={sizes['tp']} and "
+        f"pp={sizes['pp']} ranks split the model (they hold the same tokens): neither multiplies it"
+    )

@@ -6,83 +6,79 @@
     torchrun --nproc_per_node 2 -m gradaccum train --fsdp       # DDP by default, FSDP2 with --fsdp
     gradaccum train --run-dir runs/x --resume auto              # continue, or start, runs/x
 
-This module is the only training code that reads environment variables (torchrun's RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), installs signal handlers and prints (rank 0 only).
+The data flow of every command: the flags are parsed into a :class:`~gradaccum.train.spec.TrainSpec`
+(:func:`spec_from_args`), which :func:`~gradaccum.train.resolve.resolve_spec` resolves against the
+launch into a ``TrainConfig``; :func:`~gradaccum.train.loop.train` runs it and rank 0 renders the
+events and the result. This module holds the flags and that sequence; the decisions (defaults, the
+plan, what a run card fixes) are in :mod:`gradaccum.train.spec` and :mod:`gradaccum.train.resolve`.
 
-Signals, as job schedulers expect (SIGUSR1 checkpoints and carries on; the first SIGINT or SIGTERM
-checkpoints at the boundary and exits 130 or 143; a second stops at once), are
-:mod:`gradaccum.cli.train_signals`; what rank 0 prints is :mod:`gradaccum.cli.train_render`.
+Adding a flag is a two-place change: add it in ``register`` (``dest`` = the field's name, argparse
+default ``None``, the real default in the help) and add the field to ``TrainSpec`` (its default, its
+check); :func:`spec_from_args` and ``resolve_spec`` carry it from there (a field named like a
+``TrainConfig`` field reaches the run unchanged). ``tests/cli/test_train_flags.py`` checks that every
+field has its flag.
+
+The launch (device, torchrun's process group, the run folder, the resume command, a lost rank) is
+:mod:`gradaccum.cli.train_launch`, the only training code that reads environment variables. Signals,
+as job schedulers expect (SIGUSR1 checkpoints and carries on; the first SIGINT or SIGTERM checkpoints
+at the boundary and exits 130 or 143; a second stops at once), are :mod:`gradaccum.cli.train_signals`;
+what rank 0 prints is :mod:`gradaccum.cli.train_render`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import shlex
 import sys
-import time
-from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-
+from gradaccum.cli import train_launch as launch
 from gradaccum.cli.common import (
     DEFAULT_WORKLOAD,
     EXIT_FAILED,
     EXIT_OK,
     add_data_options,
     add_threads_option,
-    check_output_folder,
     default_threads,
     int_at_least,
     number_above,
     output_folder,
     workload_spec,
 )
-from gradaccum.cli.train_render import TrainRenderer, count
+from gradaccum.cli.train_render import TrainRenderer
 from gradaccum.cli.train_signals import TrainSignals
-from gradaccum.distributed import dist
 from gradaccum.errors import (
     CheckpointWriteError,
     CollectiveError,
     GradAccumError,
-    PlanError,
-    RunCardError,
     TooManySkipsError,
     TrainError,
 )
-from gradaccum.plan import BatchPlan
+from gradaccum.names import PRECISIONS
+from gradaccum.train.spec import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_CHECKPOINT_MINUTES,
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_LR,
+    DEFAULT_MAX_GRAD_NORM,
+    DEFAULT_MAX_SKIPS,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_STEPS,
+    DEFAULT_WEIGHT_DECAY,
+    OPTIMIZERS,
+    TrainSpec,
+)
 
 if TYPE_CHECKING:
-    from gradaccum.runcard import RunCard
-    from gradaccum.train.config import TrainConfig
+    import torch
+
     from gradaccum.train.records import TrainEvent
 
-DEFAULT_GLOBAL_BATCH, DEFAULT_MICRO_BATCH, DEFAULT_STEPS = 32, 8, 200
-DEFAULT_OPTIMIZER, DEFAULT_LR, DEFAULT_WEIGHT_DECAY = "adamw", 1e-2, 0.0
-DEFAULT_MAX_GRAD_NORM, DEFAULT_MAX_SKIPS = 1.0, 10
-# the defaults of TrainConfig, repeated in the help (imported lazily: the parser stays light)
-DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHECKPOINT_MINUTES, DEFAULT_KEEP = 100, 30.0, 3
-PROBE_S = 2.0
-"""How long a surviving rank waits for the others to answer after a collective failed."""
-AUTO = ("auto", "latest")
-
-# flags that change what a run card fixes (the plan, the arithmetic of the update, the optimizer);
-# beside --runcard they are refused, naming the card's value, never silently ignored
-CARD_FLAGS = (
-    "workload",
-    "global_batch",
-    "micro_batch",
-    "precision",
-    "seed",
-    "optimizer",
-    "lr",
-    "weight_decay",
-    "max_grad_norm",
-    "max_consecutive_skips",
-)
+__all__ = ["register", "run", "spec_from_args"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -94,7 +90,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "done, 1 the run failed (a rank lost, a full disk, out of memory, diverged), 2 bad input, 130 "
         "stopped by SIGINT, 143 stopped by SIGTERM (both after a checkpoint: rerun with --resume auto).",
     )
-    what = p.add_argument_group("what to train")
+    _add_what(p.add_argument_group("what to train"))
+    _add_length(p.add_argument_group("how long"))
+    _add_optimizer(p.add_argument_group("optimizer and schedule"))
+    _add_run(p.add_argument_group("run"))
+    add_data_options(p)
+    p.set_defaults(func=run)
+
+
+def _add_what(what: argparse._ArgumentGroup) -> None:
     what.add_argument(
         "--workload",
         metavar="MODULE:FUNCTION",
@@ -122,13 +126,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     what.add_argument(
         "--precision",
-        choices=("float32", "bfloat16", "float16", "float64"),
+        choices=PRECISIONS,
         help="compute precision; float16 adds a GradScaler (default float32)",
     )
     what.add_argument(
         "--seed", type=int_at_least(0), metavar="S", help="data stream and dropout seed (default 0)"
     )
-    length = p.add_argument_group("how long")
+
+
+def _add_length(length: argparse._ArgumentGroup) -> None:
     length.add_argument(
         "--steps",
         type=int_at_least(1),
@@ -142,10 +148,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="T",
         help="stop once this many valid tokens were consumed (default: no token limit)",
     )
-    opt = p.add_argument_group("optimizer and schedule")
+
+
+def _add_optimizer(opt: argparse._ArgumentGroup) -> None:
     opt.add_argument(
         "--optimizer",
-        choices=("adamw", "sgd", "workload"),
+        choices=OPTIMIZERS,
         help=f"adamw or sgd at --lr and --weight-decay, or the workload's own optimizer_factory "
         f"(default {DEFAULT_OPTIMIZER})",
     )
@@ -211,7 +219,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="R",
         help="the cosine's floor as a fraction of the peak, 0 to 1 (default 0.1)",
     )
-    where = p.add_argument_group("run")
+
+
+def _add_run(where: argparse._ArgumentGroup) -> None:
     where.add_argument(
         "--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: cuda:LOCAL_RANK if any)"
     )
@@ -249,7 +259,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--keep-checkpoints",
         type=int_at_least(1),
         metavar="K",
-        help=f"intact checkpoints kept; older ones are deleted (default {DEFAULT_KEEP})",
+        help=f"intact checkpoints kept; older ones are deleted (default {DEFAULT_KEEP_CHECKPOINTS})",
     )
     where.add_argument(
         "--eval-every",
@@ -264,8 +274,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="held-out examples per evaluation, split across ranks (default 64)",
     )
-    add_data_options(p)
-    p.set_defaults(func=run)
 
 
 def _ratio(text: str) -> float:
@@ -275,333 +283,11 @@ def _ratio(text: str) -> float:
     return value
 
 
-# -- building the config -----------------------------------------------------------------------
-
-
-def _given(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
-
-
-def _card_value(card: RunCard, name: str) -> str:
-    values = {
-        "workload": card.workload,
-        "global_batch": f"{card.plan.global_batch} ({card.plan.equation()})",
-        "micro_batch": f"{card.plan.micro_batch} ({card.plan.equation()})",
-        "precision": card.precision,
-        "seed": card.seed,
-        "optimizer": card.optimizer,
-        "lr": "none (the workload's optimizer)" if card.lr is None else f"{card.lr:g}",
-        "weight_decay": "none (the workload's optimizer)"
-        if card.weight_decay is None
-        else f"{card.weight_decay:g}",
-        "max_grad_norm": _word(card.accum.max_grad_norm),
-        "max_consecutive_skips": _word(card.accum.max_consecutive_skips),
-    }
-    return str(values[name])
-
-
-def _word(value: Any) -> str:
-    """A setting as a person writes it: no Python ``None``/``True``."""
-    if value is None:
-        return "off"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _from_card(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[str, Any], list[str]]:
-    """The plan and settings a run card fixes, and the lines that say what was taken from it."""
-    from gradaccum.runcard import read_runcard
-
-    card = read_runcard(args.runcard)
-    given = [name for name in CARD_FLAGS if getattr(args, name) is not None]
-    if given:
-        clashes = "; ".join(
-            f"{_flag(name)} {_word(getattr(args, name))} (the card has {_card_value(card, name)})"
-            for name in given
-        )
-        raise PlanError(
-            f"--runcard {args.runcard} fixes what was verified, and these flags would change it: "
-            f"{clashes}. Drop them, or train without --runcard."
-        )
-    if card.plan.dp != world:
-        raise PlanError(
-            f"run card {args.runcard} was verified with dp={card.plan.dp} ({card.plan.equation()}), but "
-            f"this job has {count(world, 'process')}. Launch with torchrun --nproc-per-node "
-            f"{card.plan.dp}, or verify a plan for this world size."
-        )
-    if card.optimizer in ("adamw", "sgd") and card.lr is None:
-        raise RunCardError(
-            f"run card {args.runcard} names optimizer {card.optimizer} but no lr; it cannot be trained "
-            "as recorded (write lr into the card, or run accept again)"
-        )
-    # track_grad_norm and noise_scale only add figures to the records; they do not change the update
-    fixed = {
-        "workload": card.workload,
-        "precision": card.precision,
-        "seed": card.seed,
-        "accum": replace(
-            card.accum, track_grad_norm=True, noise_scale=card.accum.noise_scale or args.noise_scale
-        ),
-        "optimizer": card.optimizer,
-        "lr": card.lr if card.lr is not None else DEFAULT_LR,
-        "weight_decay": card.weight_decay if card.weight_decay is not None else DEFAULT_WEIGHT_DECAY,
-    }
-    if card.optimizer == "workload":
-        optimizer = "the workload's own optimizer_factory (its learning rates are the schedule's peak)"
-    else:
-        optimizer = f"{card.optimizer}, lr {card.lr:g}, weight decay {_word(fixed['weight_decay'])}"
-    accum = ", ".join(f"{k} {_word(v)}" for k, v in card.accum.to_dict().items() if k != "track_grad_norm")
-    lines = [
-        f"from run card {args.runcard}: workload {card.workload}; {card.plan.equation()}; precision "
-        f"{card.precision}"
-        + (" (with a GradScaler)" if card.precision == "float16" else "")
-        + f"; seed {card.seed}",
-        f"from run card: optimizer {optimizer}",
-        f"from run card: accumulation {accum}",
-    ]
-    return card.plan, fixed, lines
-
-
-def _from_flags(args: argparse.Namespace, world: int) -> tuple[BatchPlan, dict[str, Any]]:
-    from gradaccum.step.config import AccumConfig
-
-    plan = BatchPlan.solve(
-        global_batch=_given(args.global_batch, DEFAULT_GLOBAL_BATCH),
-        micro_batch=_given(args.micro_batch, DEFAULT_MICRO_BATCH),
-        dp=world,
-    )
-    max_norm = _given(args.max_grad_norm, DEFAULT_MAX_GRAD_NORM)
-    accum = AccumConfig(
-        max_grad_norm=max_norm if max_norm != 0 else None,  # 0 turns clipping off
-        track_grad_norm=True,
-        max_consecutive_skips=_given(args.max_consecutive_skips, DEFAULT_MAX_SKIPS),
-        noise_scale=args.noise_scale,
-    )
-    fixed = {
-        "workload": _given(args.workload, DEFAULT_WORKLOAD),
-        "precision": _given(args.precision, "float32"),
-        "seed": _given(args.seed, 0),
-        "accum": accum,
-        "optimizer": _given(args.optimizer, DEFAULT_OPTIMIZER),
-        "lr": _given(args.lr, DEFAULT_LR),
-        "weight_decay": _given(args.weight_decay, DEFAULT_WEIGHT_DECAY),
-    }
-    return plan, fixed
-
-
-def _build_config(
-    args: argparse.Namespace, world: int, device: torch.device, run_dir: Path, resume: Path | None
-) -> tuple[TrainConfig, list[str]]:
-    from gradaccum.train.config import TrainConfig
-    from gradaccum.train.schedule import ScheduleConfig
-
-    lines: list[str] = []
-    if args.runcard is not None:
-        plan, fixed, lines = _from_card(args, world)
-    else:
-        plan, fixed = _from_flags(args, world)
-    steps = args.steps if args.steps is not None or args.tokens is not None else DEFAULT_STEPS
-    every = _given(args.checkpoint_every, DEFAULT_CHECKPOINT_EVERY)
-    minutes = _given(args.checkpoint_minutes, DEFAULT_CHECKPOINT_MINUTES)
-    warmup, horizon = args.warmup, args.horizon
-    if args.schedule == "cosine" and warmup is not None and horizon is not None and warmup > horizon:
-        raise PlanError(
-            f"--warmup {warmup} is longer than --horizon {horizon} ({args.schedule_clock}); "
-            "shorten the warmup or lengthen the horizon"
-        )
-    config = TrainConfig(
-        plan=plan,
-        run_dir=run_dir,
-        workload=fixed["workload"],
-        steps=steps,
-        tokens=args.tokens,
-        schedule=ScheduleConfig(
-            kind=args.schedule,
-            clock=args.schedule_clock,
-            warmup=args.warmup,
-            horizon=args.horizon,
-            min_lr_ratio=args.min_lr_ratio,
-        ),
-        optimizer=fixed["optimizer"],
-        lr=fixed["lr"],
-        weight_decay=fixed["weight_decay"],
-        precision=fixed["precision"],
-        accum=fixed["accum"],
-        seed=fixed["seed"],
-        device=str(device),
-        fsdp=args.fsdp,
-        checkpoint_every=every if every > 0 else None,
-        checkpoint_minutes=minutes if minutes > 0 else None,
-        keep_checkpoints=_given(args.keep_checkpoints, DEFAULT_KEEP),
-        eval_every=args.eval_every,
-        eval_examples=args.eval_examples,
-        resume=resume,
-    )
-    return config, lines
-
-
-# -- process group, device, run folder -------------------------------------------------------------
-
-
-def _device(choice: str) -> torch.device:
-    """The training device; under torchrun ``cuda`` means ``cuda:LOCAL_RANK``."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(choice)
-    except RuntimeError:
-        raise TrainError(f"--device {choice} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise TrainError(f"--device {choice} is not supported by train; use auto, cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainError(f"--device {choice} but this torch sees no CUDA device; use --device cpu")
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
-
-
-def _init_distributed(device: torch.device) -> bool:
-    """Join torchrun's process group when launched by it (NCCL for CUDA, gloo for CPU); True if
-    this call created it."""
-    if torch.distributed.is_initialized() or not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return False
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.distributed.init_process_group("nccl", device_id=device)
-    else:
-        torch.distributed.init_process_group("gloo")
-    return True
-
-
-def _new_run_dir(root: Path) -> Path:
-    """``root/train-<time>``, with a suffix when another run already took that name."""
-    base = root / time.strftime("train-%Y%m%d-%H%M%S")
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = base.with_name(f"{base.name}-{n}")
-    return folder
-
-
-def _newest_run_with_checkpoint(root: Path) -> Path | None:
-    from gradaccum.train.checkpoint import find_intact
-
-    runs = sorted(
-        (p for p in root.glob("train-*") if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True
-    )
-    return next((run for run in runs if find_intact(run, checksums=False) is not None), None)
-
-
-def _where(args: argparse.Namespace) -> tuple[Path, Path | None, str | None]:
-    """(run folder, what to resume or None, a note): decided on rank 0 and shared by all ranks."""
-    from gradaccum.train.checkpoint import checkpoints_of, find_intact, run_folder_of
-
-    note = None
-    if args.resume is None:
-        run_dir = args.run_dir if args.run_dir is not None else _new_run_dir(Path("runs"))
-        resume = None
-    elif args.resume in AUTO:
-        if args.run_dir is None:
-            found = _newest_run_with_checkpoint(Path("runs"))
-            if found is None:
-                raise TrainError(
-                    f"--resume {args.resume} found no run folder with an intact checkpoint under runs/; "
-                    "give the run's folder with --run-dir (a fresh run starts there if it holds none yet)"
-                )
-            run_dir, resume = found, found
-        elif find_intact(args.run_dir) is not None or checkpoints_of(args.run_dir):
-            run_dir, resume = args.run_dir, args.run_dir  # broken-only folders are refused with details
-        else:
-            run_dir, resume = args.run_dir, None
-            note = f"--resume {args.resume}: {args.run_dir} holds no checkpoint yet; starting a new run there"
-    else:
-        resume = Path(args.resume)
-        run_dir = args.run_dir if args.run_dir is not None else run_folder_of(resume)
-    check_output_folder(Path(run_dir), "--run-dir")
-    return Path(run_dir), resume, note
-
-
-def _shared(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (an error on rank 0 is raised on every rank)."""
-    return dist.all_gather_objects(value, what="the run folder")[0]
-
-
-# -- the resume command and a lost rank ---------------------------------------------------------------
-
-
-def _resume_command(args: argparse.Namespace, run_dir: Path, world: int) -> str:
-    """The command that continues this run: the same flags, ``--run-dir RUN --resume auto``."""
-    argv = list(getattr(args, "argv", None) or ["train"])
-    kept: list[str] = []
-    skip = False
-    for token in argv:
-        if skip:
-            skip = False
-            continue
-        if token in ("--resume", "--run-dir"):
-            skip = True
-            continue
-        if token.startswith(("--resume=", "--run-dir=")):
-            continue
-        kept.append(token)
-    kept += ["--run-dir", str(run_dir), "--resume", "auto"]
-    if world > 1:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        launch = (
-            f"torchrun --nproc-per-node {world}" if local == world else "torchrun <the same launch flags>"
-        )
-        return f"{launch} -m gradaccum {shlex.join(kept)}"
-    return f"gradaccum {shlex.join(kept)}"
-
-
-def _lost_ranks(world: int, rank: int) -> list[int] | None:
-    """Which ranks stopped answering, found by each survivor checking in with torchrun's store and
-    waiting :data:`PROBE_S` for the others; None when it cannot be told."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port:
-        try:
-            store = torch.distributed.TCPStore(
-                addr, int(port), is_master=False, timeout=timedelta(seconds=PROBE_S), wait_for_workers=False
-            )
-            prefix = (
-                f"gradaccum/lost/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-            )
-            store.set(f"{prefix}{rank}", "alive")
-            deadline = time.monotonic() + PROBE_S
-            missing = [r for r in range(world) if r != rank]
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
-                if missing:
-                    time.sleep(0.1)
-            return missing
-        except Exception:  # no store to ask (it went with the lost rank's node): say what is known
-            pass
-    return [1 - rank] if world == 2 else None
-
-
-def _lost_rank_message(exc: BaseException, world: int, rank: int, resume: str, run_dir: Path) -> str:
-    from gradaccum.train.checkpoint import find_intact
-
-    lost = _lost_ranks(world, rank)
-    if lost:
-        who = f"rank {lost[0]}" if len(lost) == 1 else "ranks " + ", ".join(map(str, lost))
-        head = f"rank {rank}: {who} of {world} stopped answering (its process died or hangs)"
-    else:
-        head = f"rank {rank}: another rank of {world} stopped answering (its process died or hangs)"
-    point = find_intact(run_dir, checksums=False)
-    kept = f"the newest complete checkpoint is {point.path}" if point else "no checkpoint was written yet"
-    detail = str(exc).split(" (")[0] if isinstance(exc, CollectiveError) else type(exc).__name__
-    return (
-        f"{head}, so this rank stops too ({detail}). The lost rank's own log holds its first error; "
-        f"{kept}.\n  resume with: {resume}"
-    )
+def spec_from_args(args: argparse.Namespace) -> TrainSpec:
+    """The request the flags make: each :class:`TrainSpec` field from the flag of the same name; a
+    flag not given (``None``) leaves the field's default."""
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(TrainSpec)}
+    return TrainSpec(**{name: value for name, value in given.items() if value is not None})
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -613,75 +299,92 @@ def _err(text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     leader = int(os.environ.get("RANK", "0")) == 0
-    threads_before = torch.get_num_threads()
-    # installed before the training code imports: a signal then exits at once (nothing written yet)
+    # installed before torch and the training code import: a signal then exits at once (nothing
+    # written yet)
     with TrainSignals(leader=leader) as signals:
-        from gradaccum.train.loop import TrainControl, train
+        import torch
 
+        threads_before = torch.get_num_threads()
         workload_spec(args)  # --workload hf:MODEL_DIR --data FILE ... as one spec, in args.workload
-        control = signals.control = TrainControl()
-        device = _device(args.device)
+        spec = spec_from_args(args)
+        device = launch.train_device(args.device)
         threads = default_threads(args.threads, device.type)
         if threads is not None:
             torch.set_num_threads(threads)
-        created = _init_distributed(device)
+        created = launch.init_distributed(device)
         try:
-            world, rank = dist.world_size(), dist.rank()
-            where: Any = None
-            error: str | None = None
-            if rank == 0:
-                try:
-                    where = _where(args)
-                except GradAccumError as exc:
-                    error = str(exc)
-            where, error = _shared((where, error))
-            if error is not None:
-                raise TrainError(error)
-            run_dir, resume, note = where
-            config, lines = _build_config(args, world, device, run_dir, resume)
-            args.configuration = f"{config.plan.equation()}, precision {config.precision}"
-            resume_command = _resume_command(args, run_dir, world)
-            signals.run_dir, signals.resume_command = run_dir, resume_command
-            renderer = TrainRenderer(config, args, [*lines, *([note] if note else [])]) if rank == 0 else None
-
-            def on_event(event: TrainEvent) -> None:
-                signals.training = True  # from the start record on, a signal stops at a boundary
-                if renderer is not None:
-                    renderer(event)
-
-            try:
-                result = train(config, control=control, on_event=on_event)
-            except TooManySkipsError as exc:
-                if renderer is not None:
-                    renderer.close()
-                    _err(f"training stopped: {exc}")
-                return EXIT_FAILED
-            except CheckpointWriteError as exc:
-                if renderer is not None:
-                    renderer.close()
-                    _err(
-                        f"failed: {exc}\n  free space (or lift the limit), then resume with: {resume_command}"
-                    )
-                return EXIT_FAILED
-            except (CollectiveError, RuntimeError) as exc:
-                if not (world > 1 and dist.looks_like_comm_failure(exc)):
-                    raise
-                if renderer is not None:
-                    renderer.close()
-                _err(f"failed: {_lost_rank_message(exc, world, rank, resume_command, run_dir)}")
-                return EXIT_FAILED
-            finally:
-                if renderer is not None:
-                    renderer.close()
-            signals.training = False
-            if result.stopped == "interrupted before the first window":
-                if renderer is not None:
-                    _err("interrupted before the first window; nothing was trained or written")
-                return signals.exit_code
-            if renderer is not None:
-                renderer.summary(result, resume_command)
-            return EXIT_OK if result.stopped == "completed" else signals.exit_code
+            return _train(args, spec, device, signals)
         finally:
             if created and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
             torch.set_num_threads(threads_before)
+
+
+def _train(args: argparse.Namespace, spec: TrainSpec, device: torch.device, signals: TrainSignals) -> int:
+    """Resolve ``spec`` on this launch, train, render; the exit code."""
+    from gradaccum.distributed import dist
+    from gradaccum.train.loop import TrainControl, train
+    from gradaccum.train.resolve import resolve_spec
+
+    control = signals.control = TrainControl()
+    world, rank = dist.world_size(), dist.rank()
+    run_dir, resume, note = _run_folder(args, rank)
+    resolved = resolve_spec(spec, world=world, device=str(device), run_dir=run_dir, resume=resume)
+    config = resolved.config
+    args.configuration = f"{config.plan.equation()}, precision {config.precision}"
+    resume_command = launch.resume_command(args, run_dir, world)
+    signals.run_dir, signals.resume_command = run_dir, resume_command
+    notes = [*resolved.notes, *([note] if note else [])]
+    renderer = TrainRenderer(config, args, notes) if rank == 0 else None
+
+    def on_event(event: TrainEvent) -> None:
+        signals.training = True  # from the start record on, a signal stops at a boundary
+        if renderer is not None:
+            renderer(event)
+
+    try:
+        result = train(config, control=control, on_event=on_event)
+    except TooManySkipsError as exc:
+        if renderer is not None:
+            renderer.close()
+            _err(f"training stopped: {exc}")
+        return EXIT_FAILED
+    except CheckpointWriteError as exc:
+        if renderer is not None:
+            renderer.close()
+            _err(f"failed: {exc}\n  free space (or lift the limit), then resume with: {resume_command}")
+        return EXIT_FAILED
+    except (CollectiveError, RuntimeError) as exc:
+        if not (world > 1 and dist.looks_like_comm_failure(exc)):
+            raise
+        if renderer is not None:
+            renderer.close()
+        _err(f"failed: {launch.lost_rank_message(exc, world, rank, resume_command, run_dir)}")
+        return EXIT_FAILED
+    finally:
+        if renderer is not None:
+            renderer.close()
+    signals.training = False
+    if result.stopped == "interrupted before the first window":
+        if renderer is not None:
+            _err("interrupted before the first window; nothing was trained or written")
+        return signals.exit_code
+    if renderer is not None:
+        renderer.summary(result, resume_command)
+    return EXIT_OK if result.stopped == "completed" else signals.exit_code
+
+
+def _run_folder(args: argparse.Namespace, rank: int) -> tuple[Path, Path | None, str | None]:
+    """(run folder, what to resume or None, a note), decided on rank 0 and shared by every rank (an
+    error there is raised on every rank)."""
+    where: tuple[Path, Path | None, str | None] | None = None
+    error: str | None = None
+    if rank == 0:
+        try:
+            where = launch.where(args)
+        except GradAccumError as exc:
+            error = str(exc)
+    where, error = launch.shared((where, error))
+    if error is not None or where is None:
+        raise TrainError(str(error))
+    return where

@@ -13,10 +13,8 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
-import torch
 from rich.table import Table
 
-from gradaccum.check.tolerances import GRAD_TOLERANCES, MAX_TRACE_STEPS, TRACE_TOLERANCES
 from gradaccum.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -30,16 +28,17 @@ from gradaccum.cli.common import (
     workload_spec,
 )
 from gradaccum.errors import PlanError
-from gradaccum.precision import dtype_name
+from gradaccum.names import MAX_TRACE_STEPS, TRACE_DTYPES, VERIFY_DTYPES
 
 if TYPE_CHECKING:
+    import torch
+
     from gradaccum.check.packed import PackedReport
     from gradaccum.check.report import EquivalenceReport, TraceReport
     from gradaccum.check.workload import Workload
     from gradaccum.hazards.scanner import Finding
 
 WORST_SHOWN = 5
-_DTYPES = {dtype_name(d): d for d in (*GRAD_TOLERANCES, *TRACE_TOLERANCES)}
 
 
 def _sizes(text: str) -> list[int]:
@@ -79,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=[dtype_name(d) for d in GRAD_TOLERANCES],
+        choices=VERIFY_DTYPES,
         default="float64",
         help="precision of the stage-1 diagnostic (default float64)",
     )
@@ -93,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--trace-dtype",
-        choices=[dtype_name(d) for d in TRACE_TOLERANCES],
+        choices=TRACE_DTYPES,
         default="float32",
         help="production precision of stage 2 (default float32)",
     )
@@ -240,8 +239,11 @@ def _render_trace(trace: TraceReport) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from gradaccum.check.equivalence import compare_traces, verify_workload
     from gradaccum.check.workload import load_workload
+    from gradaccum.precision import dtype_of
 
     if args.trace_steps > MAX_TRACE_STEPS:
         raise PlanError(
@@ -270,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         workload,
         micro_batch=args.micro_batch,
         sizes=args.sizes,
-        dtype=_DTYPES[args.dtype],
+        dtype=dtype_of(args.dtype),
         device=device,
         seed=args.seed,
         candidate_step=candidate,
@@ -288,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
             baseline_sizes=[sum(report.sizes)],
             candidate_sizes=report.sizes,
             steps=args.trace_steps,
-            dtype=_DTYPES[args.trace_dtype],
+            dtype=dtype_of(args.trace_dtype),
             seed=args.seed,
             device=device,
         )
@@ -317,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_packed(args: argparse.Namespace, workload: Workload, device: torch.device) -> int:
     from gradaccum.check.packed import verify_packed_workload
+    from gradaccum.precision import dtype_of
 
     given = [flag for flag, value in (("--sizes", args.sizes), ("--micro-batch", args.micro_batch)) if value]
     if args.cached:
@@ -327,7 +330,7 @@ def _run_packed(args: argparse.Namespace, workload: Workload, device: torch.devi
             f"row counts differ); leave out {', '.join(given)}"
         )
     console.print(f"[bold]verify --packed {escape(workload.name)}[/bold]: {escape(workload.description)}")
-    report = verify_packed_workload(workload, dtype=_DTYPES[args.dtype], device=device, seed=args.seed)
+    report = verify_packed_workload(workload, dtype=dtype_of(args.dtype), device=device, seed=args.seed)
     _render_packed(report)
     return EXIT_OK if report.passed else EXIT_FAILED
 

@@ -1,7 +1,8 @@
 """What the subcommands share: exit codes, the console, argument types and options, the launcher,
 the progress bar, tables and findings. The one CLI module the others import; the measurement and
-training code is imported only inside the functions that use it, so ``gradaccum --help`` and
-``gradaccum plan`` start in about the time of ``import torch``.
+training code is imported only inside the functions that use it, and nothing imported at the top
+loads torch (the choices and defaults come from :mod:`gradaccum.names`), so ``gradaccum --help``,
+``gradaccum CMD --help`` and ``gradaccum plan`` start without importing torch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gradaccum.check.workload import DEFAULT_WORKLOAD, HF_PREFIX
 from gradaccum.cli.exitcodes import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -29,10 +29,15 @@ from gradaccum.cli.exitcodes import (
     EXIT_TERMINATED,
 )
 from gradaccum.errors import BenchError, ConfigError, PlanError, WorkloadError
-from gradaccum.loss import NORMALIZATIONS
+from gradaccum.names import (
+    DEFAULT_SEQ_LEN,
+    DEFAULT_TEXT_FIELD,
+    DEFAULT_WORKLOAD,
+    HF_PREFIX,
+    NORMALIZATIONS,
+    PRECISIONS,
+)
 from gradaccum.plan import BatchPlan
-from gradaccum.precision import PRECISIONS
-from gradaccum.workloads.spec import DEFAULT_SEQ_LEN, DEFAULT_TEXT_FIELD, HFSpec
 
 if TYPE_CHECKING:
     from gradaccum.bench.runner import Launch
@@ -228,7 +233,7 @@ def add_workload_option(p: argparse.ArgumentParser) -> None:
     add_data_options(p)
 
 
-def add_threads_option(p: argparse.ArgumentParser, *, per: str) -> None:
+def add_threads_option(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, per: str) -> None:
     """``--threads N``: torch threads per ``per`` (worker, process); the same default everywhere."""
     p.add_argument(
         "--threads",
@@ -296,6 +301,8 @@ def workload_spec(args: argparse.Namespace) -> str:
     returned unchanged and refuses data options, which it would ignore. An unset ``--workload``
     (``train``'s ``None``) stays unset in ``args``; the default is returned.
     """
+    from gradaccum.workloads.spec import HFSpec  # the workloads package loads torch
+
     spec: str | None = args.workload
     given = [flag for key, flag in _DATA_FLAGS.items() if getattr(args, key, None) is not None]
     if spec is None or not spec.startswith(HF_PREFIX):

@@ -6,8 +6,6 @@ import argparse
 import statistics
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from gradaccum.cli.common import console, escape
 
 if TYPE_CHECKING:
@@ -75,6 +73,8 @@ class TrainRenderer:
         else:
             warmup_steps, warmup_tokens = sched["warmup"] / per_step, sched["warmup"]
         layout = ", FSDP2" if cfg.fsdp else ", DDP" if start.world > 1 else ""
+        import torch  # loaded by now: the run has started
+
         threads = torch.get_num_threads()
         console.print(
             f"{count(start.world, 'process')} on {start.device}, precision {cfg.precision}{layout}; "

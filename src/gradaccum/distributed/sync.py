@@ -2,7 +2,9 @@
 
 Only public switches are used: ``DistributedDataParallel.no_sync`` and
 ``FullyShardedDataParallel.no_sync`` (both restore the previous flag on exit themselves), and FSDP2's
-``FSDPModule.set_requires_gradient_sync``. DDP reads its flag in ``forward``, so the context must
+``FSDPModule.set_requires_gradient_sync`` / ``set_requires_all_reduce``, whose previous state is
+restored on exit too (read through :func:`fsdp2_sync_flags`, since FSDP2 has no public getter).
+DDP reads its flag in ``forward``, so the context must
 wrap the forward *and* the backward of a micro-batch, never the backward alone.
 
 A training framework may put a thin forward wrapper around the data-parallel module: Lightning
@@ -27,6 +29,7 @@ from gradaccum.errors import SyncError
 __all__ = [
     "SyncKind",
     "check_sync_on",
+    "fsdp2_sync_flags",
     "needs_every_parameter",
     "no_grad_sync",
     "sync_deferred",
@@ -108,37 +111,68 @@ def sync_kind(module: nn.Module) -> SyncKind:
     return _own_kind(sync_module(module))
 
 
-class _Fsdp2NoSync:
-    """FSDP2's sync switch as a context: off inside, on after (see :func:`sync_deferred`)."""
+def fsdp2_sync_flags(module: nn.Module) -> tuple[bool, bool]:
+    """(reduce-scatter on, all-reduce on): the flags FSDP2's public setters last wrote.
 
-    __slots__ = ("_module",)
+    FSDP2 has no public getter for them (torch 2.4-2.13): ``set_requires_gradient_sync`` and
+    ``set_requires_all_reduce`` write ``reduce_grads``/``all_reduce_grads`` on each FSDP parameter
+    group, read here from the first FSDP module that holds one; where those attributes do not
+    exist, FSDP2's default (both on) is assumed.
+    """
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
+        if groups:
+            group = groups[0]
+            return bool(getattr(group, "reduce_grads", True)), bool(getattr(group, "all_reduce_grads", True))
+    return True, True
 
-    def __init__(self, module: nn.Module) -> None:
+
+class _Fsdp2SyncOff:
+    """FSDP2's sync switch as a context: off inside, the previous state restored after.
+
+    ``replicate_only``: keep the reduce-scatter over the shards and defer only HSDP's all-reduce
+    over the replicas (``set_requires_all_reduce(False)``), the ``defer_replicate`` policy.
+    """
+
+    __slots__ = ("_module", "_previous", "_replicate_only")
+
+    def __init__(self, module: nn.Module, replicate_only: bool = False) -> None:
         self._module = module
+        self._replicate_only = replicate_only
+        self._previous = (True, True)
 
     def __enter__(self) -> None:
-        self._module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self._previous = fsdp2_sync_flags(self._module)
+        if self._replicate_only:
+            self._module.set_requires_all_reduce(False)  # type: ignore[operator]
+        else:
+            self._module.set_requires_gradient_sync(False)  # type: ignore[operator]
 
     def __exit__(self, *exc: object) -> None:
-        # FSDP2 has no public getter for this flag. The final micro-batch of every window needs
-        # sync on, so "on" is the state a window must leave behind; it is also FSDP2's default.
-        self._module.set_requires_gradient_sync(True)  # type: ignore[operator]
+        reduce, all_reduce = self._previous
+        self._module.set_requires_gradient_sync(reduce)  # type: ignore[operator]  # writes both flags
+        if reduce and not all_reduce:
+            self._module.set_requires_all_reduce(False)  # type: ignore[operator]
 
 
 _NOTHING_TO_DEFER = contextlib.nullcontext()
 
 
-def sync_deferred(module: nn.Module, kind: SyncKind, enabled: bool = True) -> AbstractContextManager[Any]:
+def sync_deferred(
+    module: nn.Module, kind: SyncKind, enabled: bool = True, *, replicate_only: bool = False
+) -> AbstractContextManager[Any]:
     """The context that defers ``module``'s gradient sync (``kind`` = :func:`sync_kind` of it).
 
     The step calls this once per micro-batch with the kind it computed when it was built, so the
     hot path does no type checks and, for a plain module, builds no context at all.
+    ``replicate_only`` (FSDP2 on a replicate x shard mesh): defer only the all-reduce over replicas.
     """
     if not enabled or kind == "local":
         return _NOTHING_TO_DEFER
     owner = module if isinstance(module, DistributedDataParallel) else sync_module(module)
     if kind == "fsdp2":
-        return _Fsdp2NoSync(owner)
+        return _Fsdp2SyncOff(owner, replicate_only)
     return owner.no_sync()  # type: ignore[operator]
 
 

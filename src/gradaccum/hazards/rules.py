@@ -1,4 +1,5 @@
-"""The guard's vocabulary: its rules, its findings, its settings and its errors.
+"""The guard's vocabulary: its rules, its findings, its settings and its errors (the finding and the
+errors are defined in :mod:`gradaccum.errors`, which carries a finding in :class:`GuardError`).
 
 Kept apart from :mod:`gradaccum.hazards.sanitizer` (the watching machinery) so that the rules read
 as one table.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gradaccum.errors import GuardError, GuardSetupError, GuardWarning
+from gradaccum.errors import GuardError, GuardFinding, GuardSetupError, GuardWarning
 
 __all__ = [
     "GUARD_RULES",
@@ -140,28 +141,3 @@ class GuardConfig:
             raise GuardSetupError(
                 f"ignore names unknown rules {unknown}; the rules are {sorted(GUARD_RULES)}"
             )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GuardFinding:
-    """One misuse: the rule, the user's line that did it, the figures, and the fix."""
-
-    code: str
-    """The rule's code, a key of ``GUARD_RULES``."""
-    message: str
-    """What happened, with the counts involved."""
-    fix: str
-    """What to change in the loop."""
-    filename: str
-    """The user's file: the first frame outside gradaccum and torch."""
-    lineno: int
-    """The line in ``filename``."""
-    window: int
-    """Optimizer steps completed before the window where it happened (0-based window index)."""
-
-    @property
-    def location(self) -> str:
-        return f"{self.filename}:{self.lineno}"
-
-    def __str__(self) -> str:
-        return f"{self.location}: [{self.code}] {self.message} Fix: {self.fix}"

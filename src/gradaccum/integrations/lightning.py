@@ -15,10 +15,12 @@ its ``training_step`` hands the window to :func:`window_step`::
             self.log("train_loss", result.loss)
 
 The last batch of an epoch is smaller, so it is a short window with its own count. ``window_step``
-counts every micro-batch before the first backward, sums the counts over the ranks (one small
-all-reduce), backpropagates each micro-batch's summed loss times W/N through
-``LightningModule.manual_backward`` (so precision plugins and backward hooks run) with DDP sync
-deferred to the last micro-batch, then clips, steps the optimizer and the schedulers once.
+drives the same window engine as :class:`gradaccum.Accumulator`, with
+``LightningModule.manual_backward`` as its backward (so precision plugins and backward hooks run):
+every micro-batch counted before the first backward and the counts summed over the ranks, each
+micro-batch's summed loss times W/N backpropagated with DDP sync deferred to the last one, the rank
+agreement, the finiteness check of the loss and the gradients (a window skipped on every rank), then
+clipping, the optimizer and the schedulers once.
 
 **Fabric.** ``fabric.setup(model, optimizer)`` returns a ``_FabricModule`` and a ``_FabricOptimizer``;
 ``gradaccum.Accumulator(model, optimizer)`` takes them as they are: the step forwards through
@@ -31,7 +33,7 @@ which the step does not call; full and ``-true`` precisions work.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,12 +41,10 @@ import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 
-from gradaccum.distributed import dist
-from gradaccum.distributed.sync import sync_deferred, sync_kind
-from gradaccum.errors import ConfigError, CountError, LossError
-from gradaccum.step.checks import as_count
-from gradaccum.step.compiled import CompileCounter
-from gradaccum.step.config import StepResult
+from gradaccum.distributed.sync import sync_kind
+from gradaccum.errors import ConfigError
+from gradaccum.step.accumulator import Accumulator
+from gradaccum.step.config import AccumConfig, StepResult
 
 __all__ = ["window_step"]
 
@@ -94,18 +94,13 @@ def window_step(
             f"window_step steps one optimizer; configure_optimizers returned {len(optimizer)}. Return one."
         )
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if max_grad_norm is not None:
-        if not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
-            raise ConfigError(
-                f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}"
-            )
-        if scaler is not None:
-            raise ConfigError(
-                f"max_grad_norm={max_grad_norm} with precision={trainer.precision!r}: its GradScaler "
-                "unscales the gradients inside Lightning's optimizer step, after the point where "
-                "window_step could clip them. Use precision='bf16-mixed' or '32-true', or clip in "
-                "on_before_optimizer_step."
-            )
+    if max_grad_norm is not None and scaler is not None:
+        raise ConfigError(
+            f"max_grad_norm={max_grad_norm} with precision={trainer.precision!r}: its GradScaler "
+            "unscales the gradients inside Lightning's optimizer step, after the point where "
+            "window_step could clip them. Use precision='bf16-mixed' or '32-true', or clip in "
+            "on_before_optimizer_step."
+        )
     wrapper = trainer.strategy.model  # DDP(module) under strategy="ddp", else the module
     if not isinstance(wrapper, nn.Module):
         raise ConfigError("window_step runs inside training_step, once the Trainer set the model up")
@@ -115,67 +110,44 @@ def window_step(
             f"window_step defers sync for DDP only; the strategy wrapped the module as {kind}. Use "
             "strategy='ddp' (or one device)."
         )
-    world = dist.world_size() if kind == "ddp" else 1
-    device = module.device
+    accumulator = _accumulator(module, wrapper, optimizer, max_grad_norm, step_schedulers)
+    result = accumulator.step(micro_batches, lambda _wrapper, mb: loss_fn(module, mb), count_fn)
+    return dataclasses.replace(result, step=int(trainer.global_step))
 
-    compiles = CompileCounter()  # StepResult.recompiles: graphs compiled during this window
-    # 1. count the whole window before the first backward, and agree on N across the ranks
-    counts = [as_count(count_fn(mb), i) for i, mb in enumerate(micro_batches)]
-    stacked = torch.stack([torch.as_tensor(c, device=device) for c in counts]).to(torch.float64)
-    local = stacked.sum()
-    # [N, negative counts] summed over the ranks and read once, so every rank takes the same branch
-    meta = torch.stack([local, (stacked < 0).any().to(torch.float64)])
-    if world > 1:
-        meta = dist.all_reduce_sum_(meta, what="the window's counts")
-    global_host, negative = meta.tolist()
-    if negative:
-        raise CountError(f"count_fn returned a negative count on {int(negative)} rank(s): {counts}")
-    total = meta[0]
-    local_n, global_n = int(local.item()), int(global_host)
-    optimizer.zero_grad(set_to_none=True)
-    if global_n == 0:
-        reason = "the window holds zero valid units"
-        return _skipped(module, local_n, 0, len(micro_batches), None, reason, compiles.since())
 
-    # 2. each micro-batch adds sum_t l_t / N; DDP then averages over W ranks, so scale by W / N
-    scale64 = torch.reciprocal(total) * world
-    summed = torch.zeros((), dtype=torch.float64, device=device)
-    last = len(micro_batches) - 1
-    for i, mb in enumerate(micro_batches):
-        with sync_deferred(wrapper, kind, enabled=i != last):  # forward and backward inside
-            loss = loss_fn(module, mb)
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.requires_grad:
-                raise LossError(
-                    f"loss_fn returned {type(loss).__name__} for micro-batch {i}; it must return a "
-                    "scalar that requires grad: the loss summed over the micro-batch's counted units"
-                )
-            module.manual_backward(loss * scale64.to(loss.dtype))
-        summed += loss.detach().to(torch.float64)
+def _accumulator(
+    module: pl.LightningModule,
+    wrapper: nn.Module,
+    optimizer: Any,
+    max_grad_norm: float | None,
+    step_schedulers: bool,
+) -> Accumulator:
+    """The module's Accumulator for this strategy's wrapper and optimizer, built once.
 
-    # 3. one decision for every rank, then clip, step and schedule once
-    if world > 1:
-        summed = dist.all_reduce_sum_(summed, what="the window's loss")
-    loss_value = float(summed.item())
-    if not math.isfinite(loss_value):
-        optimizer.zero_grad(set_to_none=True)
-        reason = f"non-finite loss ({loss_value})"
-        return _skipped(module, local_n, global_n, len(micro_batches), None, reason, compiles.since())
-    grad_norm = None
-    if max_grad_norm is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_grad_norm))
-    optimizer.step()
-    if step_schedulers:
-        _step_schedulers(module)
-    return StepResult(
-        loss=loss_value / global_n,
-        local_count=local_n,
-        global_count=global_n,
-        micro_batches=len(micro_batches),
-        grad_norm=grad_norm,
-        applied=True,
-        step=int(trainer.global_step),
-        recompiles=compiles.since(),
+    It is the engine every front end drives, with Lightning's ``manual_backward`` as its backward
+    (precision plugins and backward hooks run, and under DDP it prepares the reducer itself, since
+    ``training_step`` runs inside DDP's forward) and the optimizer Lightning handed out, whose
+    ``step`` advances ``trainer.global_step``. So the window gets the rank agreement, the
+    finiteness check of loss *and* gradients, and the skip on every rank of every other front end.
+    """
+    key = (id(wrapper), id(optimizer), max_grad_norm, step_schedulers)
+    cached = module.__dict__.get(_CACHE)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    hooks = [lambda _result: _step_schedulers(module)] if step_schedulers else []
+    accumulator = Accumulator(
+        wrapper,
+        optimizer,
+        config=AccumConfig(max_grad_norm=max_grad_norm),
+        on_step=hooks,
+        backward=module.manual_backward,
     )
+    module.__dict__[_CACHE] = (key, accumulator)
+    return accumulator
+
+
+_CACHE = "_gradaccum_accumulator"
+"""Where a module keeps its Accumulator between windows (outside nn.Module's attribute hooks)."""
 
 
 def _step_schedulers(module: pl.LightningModule) -> None:
@@ -185,25 +157,3 @@ def _step_schedulers(module: pl.LightningModule) -> None:
     for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
         if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             scheduler.step()
-
-
-def _skipped(
-    module: pl.LightningModule,
-    local_n: int,
-    global_n: int,
-    k: int,
-    loss: float | None,
-    reason: str,
-    recompiles: int,
-) -> StepResult:
-    return StepResult(
-        loss=loss,
-        local_count=local_n,
-        global_count=global_n,
-        micro_batches=k,
-        grad_norm=None,
-        applied=False,
-        skip_reason=reason,
-        step=int(module.trainer.global_step),
-        recompiles=recompiles,
-    )

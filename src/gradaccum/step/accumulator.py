@@ -7,16 +7,23 @@ rank before the first backward; :mod:`gradaccum.step.engine` has the derivation 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from gradaccum.errors import ConfigError
 from gradaccum.step.checks import check_loss, unmean
-from gradaccum.step.config import AccumConfig, LossReduction, StepResult
-from gradaccum.step.engine import ZERO_COUNT, Contribution, CountFn, Observer, WindowCount, WindowEngine
+from gradaccum.step.config import AccumConfig, StepResult
+from gradaccum.step.engine import (
+    ZERO_COUNT,
+    Backward,
+    Contribution,
+    CountFn,
+    Observer,
+    WindowCount,
+    WindowEngine,
+)
 from gradaccum.step.face import EngineFace
 from gradaccum.step.noise import NoiseScale
 
@@ -33,9 +40,6 @@ __all__ = [
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch)``: the loss summed over the micro-batch's counted units."""
-
-_UNSET: Any = object()
-"""A keyword the caller did not pass (so ``config=`` and explicit keywords can be told apart)."""
 
 
 class Accumulator(EngineFace):
@@ -58,32 +62,28 @@ class Accumulator(EngineFace):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
-        max_grad_norm: float | None = _UNSET,
+        max_grad_norm: float | None = None,
         scaler: Any = None,
         *,
-        loss_reduction: LossReduction = _UNSET,
-        defer_sync: bool = _UNSET,
-        track_grad_norm: bool = _UNSET,
-        skip_nonfinite: bool = _UNSET,
-        max_consecutive_skips: int | None = _UNSET,
-        agree_on_failure: bool = _UNSET,
-        noise_scale: bool = _UNSET,
         config: AccumConfig | None = None,
         dp_group: Any = None,
+        mesh: Any = None,
+        mesh_dims: Mapping[str, str] | None = None,
         on_step: Sequence[Callable[[StepResult], None]] = (),
         observer: Observer | None = None,
+        backward: Backward | None = None,
+        **settings: Any,
     ) -> None:
-        keywords = {
-            "max_grad_norm": max_grad_norm,
-            "loss_reduction": loss_reduction,
-            "defer_sync": defer_sync,
-            "track_grad_norm": track_grad_norm,
-            "skip_nonfinite": skip_nonfinite,
-            "max_consecutive_skips": max_consecutive_skips,
-            "agree_on_failure": agree_on_failure,
-            "noise_scale": noise_scale,
-        }
-        config = resolve_config(config, keywords)
+        """``settings``: :class:`AccumConfig`'s fields as keywords (``loss_reduction``,
+        ``defer_sync``, ``track_grad_norm``, ...), when no ``config`` is given. ``mesh``: the
+        ``DeviceMesh`` the model was parallelized with, its dimensions named by role
+        (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; ``mesh_dims`` maps other names), instead of
+        ``dp_group``: N is summed over the data dimensions only (see :mod:`gradaccum.mesh`). ``backward``: how
+        a micro-batch's scaled loss is backpropagated (``Tensor.backward`` by default; Lightning's
+        ``manual_backward`` in :func:`gradaccum.integrations.lightning.window_step`)."""
+        if max_grad_norm is not None:  # the one setting also taken positionally; None = not given
+            settings["max_grad_norm"] = max_grad_norm
+        config = AccumConfig.resolve(config, settings)
         self._engine = WindowEngine(
             model,
             optimizer,
@@ -91,34 +91,20 @@ class Accumulator(EngineFace):
             scheduler=scheduler,
             scaler=scaler,
             dp_group=dp_group,
+            mesh=mesh,
+            mesh_dims=mesh_dims,
             on_step=on_step,
             observer=observer,
+            backward=backward,
         )
 
     @classmethod
     def from_config(
-        cls,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        config: AccumConfig,
-        *,
-        scheduler: Any = None,
-        scaler: Any = None,
-        dp_group: Any = None,
-        on_step: Sequence[Callable[[StepResult], None]] = (),
-        observer: Observer | None = None,
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer, config: AccumConfig, **objects: Any
     ) -> Accumulator:
-        """An Accumulator with the settings a run card recorded (the same as ``config=``)."""
-        return cls(
-            model,
-            optimizer,
-            scheduler,
-            scaler=scaler,
-            config=config,
-            dp_group=dp_group,
-            on_step=on_step,
-            observer=observer,
-        )
+        """An Accumulator with the settings a run card recorded: ``cls(model, optimizer,
+        config=config, **objects)`` (objects: ``scheduler``, ``scaler``, ``dp_group``, ...)."""
+        return cls(model, optimizer, config=config, **objects)
 
     @property
     def noise_scale(self) -> NoiseScale:
@@ -155,18 +141,3 @@ class Accumulator(EngineFace):
 
         accumulated = engine.accumulate(micro_batches, contribute)
         return engine.conclude(counted, accumulated)
-
-
-def resolve_config(config: AccumConfig | None, keywords: dict[str, Any]) -> AccumConfig:
-    """``config`` as given, or one built from the keywords the caller passed; not both."""
-    given = {name: value for name, value in keywords.items() if value is not _UNSET}
-    if config is None:
-        return AccumConfig(**given)
-    if not isinstance(config, AccumConfig):
-        raise ConfigError(f"config must be a gradaccum.AccumConfig, got {type(config).__name__}")
-    if given:
-        raise ConfigError(
-            f"pass the settings as config=AccumConfig(...) or as keywords, not both; got config and "
-            f"{', '.join(sorted(given))}. Use dataclasses.replace(config, ...) to change a few."
-        )
-    return config

@@ -9,6 +9,7 @@ opposite of what it says (``bool("no")`` is true).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -16,10 +17,12 @@ from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
 from gradaccum.values import require_int
 
-__all__ = ["AccumConfig", "LossReduction", "StepResult"]
+__all__ = ["SYNC_POLICIES", "AccumConfig", "LossReduction", "StepResult", "SyncPolicy"]
 
 LossReduction = Literal["sum", "mean"]
 _REDUCTIONS = ("sum", "mean")
+SyncPolicy = Literal["defer", "defer_replicate", "every"]
+SYNC_POLICIES = ("defer", "defer_replicate", "every")
 
 
 def _bool(name: str, value: object) -> None:
@@ -58,6 +61,13 @@ class AccumConfig:
     (the CPU waits for the last forward before it queues the backward), not a collective: the loss
     is then reduced after the backward instead. The cost: a rank that fails mid-window leaves the
     others waiting in the gradient all-reduce until the process-group timeout."""
+    sync_policy: SyncPolicy = "defer"
+    """When gradients are reduced within a window. ``defer``: every reduction once, after the last
+    micro-batch (least communication, the most gradient memory under FSDP2: unsharded gradients are
+    held until then). ``defer_replicate`` (FSDP2 on a ``dp_replicate`` x ``dp_shard`` mesh, HSDP):
+    reduce-scatter over the shards every micro-batch, the all-reduce over the replicas once
+    (``set_requires_all_reduce``). ``every``: reduce every micro-batch (the same as
+    ``defer_sync=False``)."""
     noise_scale: bool = False
     """Estimate the gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018),
     the critical batch, from each micro-batch's gradient and the window's, read by
@@ -78,11 +88,25 @@ class AccumConfig:
             raise ConfigError(
                 f"AccumConfig.loss_reduction must be 'sum' or 'mean', got {self.loss_reduction!r}"
             )
+        if self.sync_policy not in SYNC_POLICIES:
+            raise ConfigError(
+                f"AccumConfig.sync_policy must be one of {list(SYNC_POLICIES)}, got {self.sync_policy!r}"
+            )
+        if self.defer_sync is False and self.sync_policy != "defer" and self.sync_policy != "every":
+            raise ConfigError(
+                f"AccumConfig(defer_sync=False, sync_policy={self.sync_policy!r}) contradict each other: "
+                "defer_sync=False reduces every micro-batch; leave defer_sync at True to defer"
+            )
         for name in ("defer_sync", "track_grad_norm", "skip_nonfinite", "agree_on_failure", "noise_scale"):
             _bool(name, getattr(self, name))
         require_int(
             "AccumConfig.max_consecutive_skips", self.max_consecutive_skips, error=ConfigError, none_ok=True
         )
+
+    @property
+    def policy(self) -> SyncPolicy:
+        """The sync policy in force: ``every`` when ``defer_sync=False``."""
+        return "every" if not self.defer_sync else self.sync_policy
 
     @property
     def wants_norm(self) -> bool:
@@ -92,6 +116,34 @@ class AccumConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values, as a run card records them."""
         return asdict(self)
+
+    @classmethod
+    def resolve(cls, config: AccumConfig | None, settings: Mapping[str, Any]) -> AccumConfig:
+        """``config`` as given, or one built from an accumulator's keyword settings; not both.
+
+        The one place the accumulators turn ``Accumulator(..., max_grad_norm=1.0)`` into a config,
+        so that their signatures do not list the fields again. ``settings`` holds only what the
+        caller passed (an accumulator's ``**settings``), so ``loss_reduction=None`` is refused like
+        any wrong value, not mistaken for "not given".
+        """
+        given = dict(settings)
+        if config is None:
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(given) - known)
+            if unknown:
+                raise ConfigError(
+                    f"unknown accumulator settings {unknown}; the settings are AccumConfig's fields: "
+                    f"{sorted(known)}"
+                )
+            return cls(**given)
+        if not isinstance(config, AccumConfig):
+            raise ConfigError(f"config must be a gradaccum.AccumConfig, got {type(config).__name__}")
+        if given:
+            raise ConfigError(
+                f"pass the settings as config=AccumConfig(...) or as keywords, not both; got config and "
+                f"{', '.join(sorted(given))}. Use dataclasses.replace(config, ...) to change a few."
+            )
+        return config
 
     @classmethod
     def from_dict(cls, data: object) -> AccumConfig:

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -51,8 +51,15 @@ from gradaccum.distributed.sync import (
     sync_module,
 )
 from gradaccum.errors import ConfigError, CountError, SyncError, TooManySkipsError, WindowError
+from gradaccum.mesh.reduction import averaging_factor, clip_mesh_grads_, local_squares
+from gradaccum.mesh.step import (
+    check_sync_policy,
+    layout_for_step,
+    raise_replica_mismatch,
+    replica_slots,
+    replicas_agree,
+)
 from gradaccum.step.agreement import (
-    FINGERPRINT_SLOTS,
     LocalFailure,
     agree_before_backward,
     back_off_scaler,
@@ -68,6 +75,7 @@ from gradaccum.step.agreement import (
 from gradaccum.step.checks import as_count, check_window_shapes
 from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
+from gradaccum.step.ledger import Ledger
 from gradaccum.step.noise import NoiseScale, NoiseScaleMeter
 from gradaccum.step.norms import clip_grads_, nonfinite_flag, total_norm, uniform_plain
 from gradaccum.values import require_int
@@ -75,6 +83,7 @@ from gradaccum.values import require_int
 __all__ = [
     "ZERO_COUNT",
     "Accumulated",
+    "Backward",
     "Contribute",
     "Contribution",
     "CountFn",
@@ -87,6 +96,10 @@ CountFn = Callable[[Any], "int | torch.Tensor"]
 """``count_fn(micro_batch)``: how many units ``loss_fn`` sums over (valid tokens, examples)."""
 Observer = Callable[[str, int], None]
 """Called with (event, micro-batch index) at phase boundaries; used by the benchmarks' timers."""
+Backward = Callable[[torch.Tensor], None]
+"""``backward(tensor)``: backpropagate one micro-batch's scaled loss. ``Tensor.backward`` by
+default; a framework whose backward must run its own hooks passes its own (Lightning's
+``LightningModule.manual_backward``)."""
 
 ZERO_COUNT = "the window holds zero valid units on every rank"
 _STATE_KEYS = ("steps_applied", "steps_skipped", "consecutive_skips")
@@ -107,7 +120,10 @@ class WindowCount:
     min_count: torch.Tensor | None
     """The smallest tensor count (a negative one is refused where the step reads the device)."""
     world: int
-    """The W of W/N: ranks whose gradients the wrapper averages (1 for a plain module)."""
+    """Ranks that met in the counts all-reduce (1 on one process)."""
+    factor: float
+    """The W of W/N: what the model's gradient reductions divide by (1 for a plain module; see
+    :func:`gradaccum.mesh.reduction.averaging_factor`)."""
 
     @property
     def empty(self) -> bool:
@@ -119,7 +135,7 @@ class WindowCount:
     def scale(self) -> torch.Tensor:
         """W / N (N at least 1): what each micro-batch's summed loss is multiplied by."""
         inverse = torch.reciprocal(self.global_count.clamp(min=1))
-        return inverse if self.world == 1 else inverse.mul_(self.world)
+        return inverse if self.factor == 1 else inverse.mul_(self.factor)
 
 
 class Contribution(NamedTuple):
@@ -153,6 +169,48 @@ class Accumulated:
     """Micro-batches in this rank's window."""
 
 
+@dataclass(frozen=True, slots=True)
+class CountTotals:
+    """The counts all-reduce, read on every rank: sums over the data-parallel ranks."""
+
+    global_count: float
+    """N: every rank's units."""
+    empty_ranks: float
+    """Ranks whose window holds no micro-batch."""
+    negative_ranks: float
+    """Ranks where ``count_fn`` returned a negative tensor count."""
+    micro_batches: float
+    """sum of k over ranks; with :attr:`micro_batches_squared`, all k are equal iff
+    W * sum(k^2) == sum(k)^2."""
+    micro_batches_squared: float
+    failed_ranks: float
+    """Ranks that failed while reading or counting their window."""
+    oom_ranks: float
+    """Of those, ranks whose failure was an out-of-memory error."""
+    broadcasting_ranks: float
+    """DDP ranks whose next forward broadcasts module buffers (all or none must)."""
+    fingerprint: list[float]
+    """The settings and model fingerprint (:func:`gradaccum.step.agreement.fingerprint`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WindowTotals:
+    """The end-of-window summary, read once on every rank (the step's one host read on one process)."""
+
+    loss: float
+    """The window's summed loss over every rank (or the given objective)."""
+    rejected: float
+    """Micro-batches, over every rank, that vetoed the update."""
+    gradient: float
+    """The global pre-clip gradient norm, or the non-finite flag when no norm was computed."""
+    global_count: float
+    local_count: float
+    smallest_count: float
+    """The smallest tensor count (negative: refused); 0 when every count was an int."""
+    noise: list[float] = field(default_factory=list)
+    """[P, K, |grad|^2, sigma] with ``noise_scale=True`` (:mod:`gradaccum.step.noise`)."""
+
+
 class WindowEngine:
     """The micro-batch loop, sync deferral, agreement points and the once-per-window optimizer step.
 
@@ -169,9 +227,21 @@ class WindowEngine:
         scheduler: Any = None,
         scaler: Any = None,
         dp_group: Any = None,
+        mesh: Any = None,
+        mesh_dims: Mapping[str, str] | None = None,
         on_step: Sequence[Callable[[StepResult], None]] = (),
         observer: Observer | None = None,
+        backward: Backward | None = None,
+        pipeline: bool = False,
+        synced: nn.Module | None = None,
+        factor: float | None = None,
     ) -> None:
+        """``mesh``/``mesh_dims``: the DeviceMesh the model was parallelized with (see
+        :mod:`gradaccum.mesh`); ``pipeline``: a pipeline schedule runs the micro-batches, and
+        every stage counts the same window (:class:`gradaccum.pipeline.PipelineAccumulator`);
+        ``synced``: the module whose wrapper synchronizes gradients, when ``model`` is not it
+        (a pipeline's stage modules); ``factor``: what the gradient reductions divide by, where
+        the wrapper's settings do not tell (DDP inside a pipeline schedule)."""
         if not isinstance(config, AccumConfig):
             raise ConfigError(f"config must be a gradaccum.AccumConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
@@ -186,8 +256,10 @@ class WindowEngine:
         self.dp_group = dp_group
         self.on_step = list(on_step)
         self.observer = observer
-        self.kind: SyncKind = sync_kind(model)
-        self._synced = sync_module(model)  # the DDP/FSDP module itself, also inside Fabric's wrapper
+        self.backward: Backward = torch.Tensor.backward if backward is None else backward
+        self.kind: SyncKind = sync_kind(model if synced is None else synced)
+        # the DDP/FSDP module itself, also inside Fabric's wrapper
+        self._synced = sync_module(model if synced is None else synced)
         self.steps_applied = 0
         self.steps_skipped = 0
         self.consecutive_skips = 0
@@ -206,16 +278,30 @@ class WindowEngine:
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._distributed = dist.is_distributed(dp_group)
-        if self._distributed and self.kind == "local":
+        self.layout = layout_for_step(
+            mesh, mesh_dims, model=model, config=config, dp_group=dp_group, pipeline=pipeline
+        )
+        if self.layout is not None:
+            self._distributed = dist.is_distributed()
+        data_ranks = self.layout.data_size if self.layout else dist.world_size(dp_group)
+        if data_ranks > 1 and self.kind == "local":
             raise SyncError(
-                f"the data-parallel group has {dist.world_size(dp_group)} ranks but the model is a plain "
+                f"the data-parallel group has {data_ranks} ranks but the model is a plain "
                 f"{type(model).__name__}: its gradients would never be averaged across ranks. Wrap it "
                 "in DistributedDataParallel or fully_shard (FSDP2) before building the Accumulator."
             )
+        # the W of W/N, and the ranks that hold the same tokens (whose sums count each unit once)
+        self.factor = factor if factor is not None else averaging_factor(self._synced, self.kind, data_ranks)
+        self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
+        self._loss_replicas = self.layout.tp if self.layout else 1
+        self._policy = check_sync_policy(config, self.kind, self.layout)
+        self._norm_holders = self.layout.world // self.layout.pp if self.layout else 1
         settings: dict[str, Any] = dataclasses.asdict(config)
         settings["sync"] = self.kind
         settings["scaler"] = type(scaler).__name__ if scaler is not None else None
-        self._settings = rank_settings(settings, model) if self._distributed else settings
+        # the ranks' models must match, but a pipeline's stages hold different parts of it
+        same_model = self._distributed and not pipeline
+        self._settings = rank_settings(settings, model) if same_model else settings
         self._fingerprint = fingerprint(self._settings) if self._distributed else []
         self._noise = self._noise_meter() if config.noise_scale else None
         self._compiles = CompileCounter()  # graphs torch.compile builds during a window
@@ -316,12 +402,11 @@ class WindowEngine:
             min_count = stacked.min()
         else:
             local_count = torch.tensor(float(host_counts), dtype=torch.float64, device=self.device)
-        world = dist.world_size(self.dp_group) if self.kind != "local" else 1
         if not self._distributed:
             if not micro_batches:
                 raise WindowError("the window is empty: step needs at least one micro-batch")
-            return WindowCount(counts, local_count, local_count, None, min_count, world)
-        return self._agree_on_counts(micro_batches, counts, local_count, min_count, world, failure)
+            return WindowCount(counts, local_count, local_count, None, min_count, 1, self.factor)
+        return self._agree_on_counts(micro_batches, counts, local_count, min_count, failure)
 
     def _agree_on_counts(
         self,
@@ -329,41 +414,60 @@ class WindowEngine:
         counts: list[int | torch.Tensor],
         local_count: torch.Tensor,
         min_count: torch.Tensor | None,
-        world: int,
         failure: LocalFailure | None,
     ) -> WindowCount:
-        # [N, empty windows, negative counts, k, k^2, failed, out of memory, broadcasting, fingerprint]
-        # summed over ranks and read once. All ranks hold the same k iff W*sum(k^2) == sum(k)^2.
+        """Collective 1: N, and everything every rank must know before its first forward.
+
+        On a mesh the sums run over every rank, and ranks that hold the same tokens (TP, and the
+        stages of one pipeline) add the same count R times: N is the sum over R. That they agree
+        is checked in the same all-reduce: each rank adds its count c and c^2 at its data index d,
+        and the R ranks at d agree iff R * sum(c^2) == (sum c)^2.
+        """
         k = len(micro_batches)
-        failed, oom = (1, int(failure.oom)) if failure is not None else (0, 0)
-        broadcasts = int(self.kind == "ddp" and self._synced.will_sync_module_buffers())  # type: ignore[operator]
-        flags = torch.tensor(
-            [int(k == 0), 0.0, k, k * k, failed, oom, broadcasts, *self._fingerprint],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        if min_count is not None:
-            flags[1] = (min_count < 0).to(torch.float64)
-        meta = dist.all_reduce_sum_(
-            torch.cat([local_count.reshape(1), flags]), self.dp_group, what="the window's counts"
-        )
-        values = meta.tolist()
-        global_host, empty_ranks, negative_ranks, k_sum, k_sq, failed_ranks, oom_ranks, broadcasting = (
-            int(v) for v in values[:8]
-        )
-        if not fingerprints_agree(values[8 : 8 + FINGERPRINT_SLOTS], world):
+        world = dist.world_size(self.dp_group)
+        replicas = self._count_replicas
+        ledger = Ledger(self.device)
+        ledger.add("global_count", local_count)
+        ledger.add("empty_ranks", k == 0)
+        ledger.add("negative_ranks", 0 if min_count is None else (min_count < 0))
+        ledger.add("micro_batches", k)
+        ledger.add("micro_batches_squared", k * k)
+        ledger.add("failed_ranks", failure is not None)
+        ledger.add("oom_ranks", failure is not None and failure.oom)
+        ledger.add("broadcasting_ranks", self.kind == "ddp" and self._synced.will_sync_module_buffers())  # type: ignore[operator]
+        ledger.add("fingerprint", self._fingerprint)
+        if replicas > 1:
+            assert self.layout is not None
+            ledger.add("replica_counts", replica_slots(self.layout, local_count, k))
+        settled = ledger.settle(self.dp_group, what="the window's counts")
+        totals = settled.unpack(CountTotals)
+        if replicas > 1 and not replicas_agree(settled.value("replica_counts"), replicas):  # type: ignore[arg-type]
+            self.zero_grad()
+            assert self.layout is not None
+            raise_replica_mismatch(self.layout, local_count, k, self.dp_group)
+        if not fingerprints_agree(totals.fingerprint, world):
             self.zero_grad()
             raise_mismatch(self._settings, self.model, self.dp_group)
-        if failed_ranks:
+        if totals.failed_ranks:
             self.zero_grad()
-            raise_agreed(failure, failed_ranks, oom_ranks, self.dp_group)
-        check_buffer_broadcasts(broadcasting, world)
+            raise_agreed(failure, int(totals.failed_ranks), int(totals.oom_ranks), self.dp_group)
+        check_buffer_broadcasts(int(totals.broadcasting_ranks), world)
         check_window_shapes(
-            world, k, empty_ranks, k_sum, k_sq, defer_sync=self.config.defer_sync, kind=self.kind
+            world,
+            k,
+            int(totals.empty_ranks),
+            int(totals.micro_batches),
+            int(totals.micro_batches_squared),
+            defer_sync=self.config.defer_sync,
+            kind=self.kind,
         )
-        if negative_ranks:
-            raise CountError(f"count_fn returned a negative count on {negative_ranks} rank(s)")
-        return WindowCount(counts, local_count, meta[0], global_host, min_count, world)
+        if totals.negative_ranks:
+            raise CountError(f"count_fn returned a negative count on {int(totals.negative_ranks)} rank(s)")
+        global_count = settled.device("global_count")
+        if replicas > 1:  # exact: the R ranks at each data index agree, so the sum is R * N
+            global_count = global_count / replicas
+        n = int(totals.global_count) // replicas
+        return WindowCount(counts, local_count, global_count, n, min_count, world, self.factor)
 
     def accumulate(
         self,
@@ -380,9 +484,10 @@ class WindowEngine:
         window and comes straight to that meeting, where every rank learns of it. ``phases`` name
         the forward and the backward in a failing rank's report.
         """
-        model, kind, config = self.model, self.kind, self.config
+        model, kind = self.model, self.kind
         meets = self._meets()
-        defer = config.defer_sync
+        defer = self._policy != "every"
+        replicate_only = self._policy == "defer_replicate"
         losses: list[torch.Tensor] = []
         rejections: list[torch.Tensor] = []
         reduced: list[float] | None = None
@@ -396,7 +501,7 @@ class WindowEngine:
             syncs = i == last or not defer or (i == 0 and resync)
             piece: Contribution | None = None
             failure: LocalFailure | None = None
-            with sync_deferred(model, kind, enabled=not syncs):
+            with sync_deferred(model, kind, enabled=not syncs, replicate_only=replicate_only):
                 phase = phases[0]
                 try:
                     piece = contribute(i, mb)
@@ -406,7 +511,7 @@ class WindowEngine:
                         rejections.append(piece.rejected)
                     if not syncs:
                         phase = phases[1]
-                        piece.backprop.backward()
+                        self.backward(piece.backprop)
                 except Exception as exc:
                     failure = LocalFailure(exc, phase, i)
                 if meets and (syncs or failure is not None):
@@ -442,92 +547,41 @@ class WindowEngine:
         the error raised, on every rank, when micro-batches vetoed the update.
         """
         self.emit("optimizer_start", 0)
-        config = self.config
         params = [p for p in self._params if p.grad is not None]
         grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
-        # finiteness comes from the norm when clipping or the report needs it anyway, else from a
-        # fused check that costs a third of it (replicated gradients only: a shard's check is local)
-        nonfinite = None
-        noise = self._noise  # it needs the norm, which then also says whether the gradient is finite
-        fused = noise is None and self.kind in ("local", "ddp")
-        if config.skip_nonfinite and not config.wants_norm and fused:
-            nonfinite = nonfinite_flag(grads, uniform=self._uniform)
-        norm = None
-        if config.wants_norm or (config.skip_nonfinite and nonfinite is None):
-            norm = self._grad_norm(grads)
-        zero = self._zero
-        gradient = norm if norm is not None else nonfinite
-        entries = [
-            accumulated.loss if objective is None else objective.detach().to(torch.float64),
-            accumulated.rejected,
-            zero if gradient is None else gradient.detach().to(torch.float64),
-            counted.global_count,
-            counted.local_count,
-            zero if counted.min_count is None else counted.min_count,
-        ]
-        if noise is not None:  # [P, K, |grad|^2, sigma] at 6..9 (gradaccum.step.noise)
-            big = norm if norm is not None or not grads else self._grad_norm(grads)
-            entries += noise.window_sums(counted.counts, big, self.scaler)
-        summary = torch.stack(entries)
-        lo = 0 if objective is None else 1
-        if self._distributed and noise is None and not accumulated.loss_is_global:
-            # the count is already global, and so is the norm (gradients are synchronized, and
-            # sharded norms are reduced by _grad_norm); the loss and the vetoes are still local
-            # (a given objective is global already: only the vetoes then)
-            summary[lo:2] = dist.all_reduce_sum_(
-                summary[lo:2].clone(), self.dp_group, what="the window's loss"
-            )
-        elif self._distributed and noise is not None:
-            # every rank's micro-batches are small batches: P and K are summed over ranks, in the
-            # loss's reduction when it has one, else in one small all-reduce of their own
-            slots = [6, 7] if accumulated.loss_is_global else [*range(lo, 2), 6, 7]
-            summary[slots] = dist.all_reduce_sum_(
-                summary[slots], self.dp_group, what="the window's loss and noise-scale sums"
-            )
-        # the step's one host read on a single process; a NaN or inf on any rank makes the
-        # reduced loss or the global norm non-finite, so every rank reaches the same verdict
-        loss_value, rejected, norm_host, n_total, n_local, smallest, *noisy = summary.tolist()
-        n_global, local_n, k = int(n_total), int(n_local), accumulated.micro_batches
-        if smallest < 0:
+        norm, gradient = self._gradient_check(grads)
+        totals, norm = self._settle(counted, accumulated, objective, gradient, norm)
+        n_global, local_n, k = int(totals.global_count), int(totals.local_count), accumulated.micro_batches
+
+        # the verdict: every rank read the same reduced figures, so every rank takes the same branch
+        if totals.smallest_count < 0:
             self.zero_grad()
             raise CountError("count_fn returned a negative count; no update was applied")
-        if rejected and rejection is not None:
+        if totals.rejected and rejection is not None:
             self.zero_grad()
-            raise rejection(int(rejected))
-        mean_loss = loss_value if objective is not None else (loss_value / n_global if n_global else None)
+            raise rejection(int(totals.rejected))
+        mean_loss = totals.loss if objective is not None else (totals.loss / n_global if n_global else None)
         if n_global == 0:
             return self.skip(local_n, 0, k, None, ZERO_COUNT)
-        gradient_ok = math.isfinite(norm_host) and (norm is not None or norm_host == 0)
-        if config.skip_nonfinite and not (math.isfinite(loss_value) and gradient_ok):
+        # a NaN or inf on any rank made the reduced loss or the global norm non-finite
+        gradient_ok = math.isfinite(totals.gradient) and (norm is not None or totals.gradient == 0)
+        if self.config.skip_nonfinite and not (math.isfinite(totals.loss) and gradient_ok):
             back_off_scaler(self.scaler, self.optimizer, params)
-            what = f"gradient norm {norm_host}" if norm is not None else "a gradient holds NaN or inf"
-            reason = f"non-finite loss or gradient (loss {loss_value}, {what})"
+            what = f"gradient norm {totals.gradient}" if norm is not None else "a gradient holds NaN or inf"
+            reason = f"non-finite loss or gradient (loss {totals.loss}, {what})"
             return self.skip(local_n, n_global, k, mean_loss, reason)
 
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-            if config.wants_norm:
-                norm = self._grad_norm(grads)
-                norm_host = float(norm.item()) if norm is not None else math.nan
-        if config.max_grad_norm is not None and norm is not None:
-            clip_grads_(params, config.max_grad_norm, norm)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        norm_host = self._apply_update(params, grads, norm, totals.gradient)
         self.steps_applied += 1
         self.consecutive_skips = 0
-        if noise is not None:
-            noise.update(noisy, n_global, counted.world)
+        if self._noise is not None:
+            self._noise.update(totals.noise, n_global, counted.world)
         result = StepResult(
             loss=mean_loss,
             local_count=local_n,
             global_count=n_global,
             micro_batches=k,
-            grad_norm=norm_host if (norm is not None and config.wants_norm) else None,
+            grad_norm=norm_host if (norm is not None and self.config.wants_norm) else None,
             applied=True,
             step=self.steps_applied,
             recompiles=self._compiles.since(),
@@ -536,6 +590,111 @@ class WindowEngine:
             hook(result)
         self.emit("optimizer_end", 0)
         return result
+
+    def _gradient_check(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the global norm or None, what says whether the gradient is finite).
+
+        Finiteness comes from the norm when clipping, the report or the noise scale need it anyway,
+        else from a fused check that costs a third of it (replicated gradients only: a shard's
+        check would be local to the shard). On a mesh the second value is this rank's share of
+        the squared norm (:func:`gradaccum.mesh.reduction.local_squares`): it rides in the
+        end-of-window all-reduce, and :meth:`_settle` returns the norm.
+        """
+        config = self.config
+        needs_norm = config.wants_norm or config.skip_nonfinite or self._noise is not None
+        if self.layout is not None:
+            return None, local_squares(grads, self._norm_holders, self.device) if needs_norm else None
+        fused = self._noise is None and self.kind in ("local", "ddp")
+        if config.skip_nonfinite and not config.wants_norm and fused:
+            flag = nonfinite_flag(grads, uniform=self._uniform)
+            if flag is not None:
+                return None, flag
+        if needs_norm:
+            norm = self._grad_norm(grads)
+            return norm, norm
+        return None, None
+
+    def _settle(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        objective: torch.Tensor | None,
+        gradient: torch.Tensor | None,
+        norm: torch.Tensor | None,
+    ) -> tuple[WindowTotals, torch.Tensor | None]:
+        """The end-of-window summary, reduced over ranks where it is still local and read once;
+        and the gradient norm (on a mesh, assembled here from every rank's squares).
+
+        The count is global already (collective 1), and so is the norm off a mesh (gradients are
+        synchronized; sharded norms are reduced by :meth:`_grad_norm`). The loss and the vetoes
+        are global when the ranks met before the synchronizing backward; else they are summed
+        here, in one small all-reduce, with the noise scale's per-rank sums and a mesh's squares.
+        Ranks that hold the same tokens (TP) add the same loss: the sum is divided by them.
+        """
+        still_local = self._distributed and not accumulated.loss_is_global
+        squares = self.layout is not None and gradient is not None
+        noise = self._noise
+        ledger = Ledger(self.device)
+        if objective is None:
+            ledger.add("loss", accumulated.loss, summed=still_local)
+        else:  # the objective is computed identically on every rank: never summed
+            ledger.add("loss", objective.detach(), summed=False)
+        ledger.add("rejected", accumulated.rejected, summed=still_local)
+        ledger.add("gradient", self._zero if gradient is None else gradient, summed=squares)
+        if noise is not None:
+            # every rank's micro-batches are small batches: P and K are summed over ranks
+            small, batches, big, sigma = noise.window_sums(counted.counts, norm, self.scaler)
+            ledger.add("noise_small", small, summed=self._distributed)
+            ledger.add("noise_batches", batches, summed=self._distributed)
+            ledger.add("noise_global", torch.stack([big, sigma]), summed=False)
+        ledger.add("global_count", counted.global_count, summed=False)
+        ledger.add("local_count", counted.local_count, summed=False)
+        smallest = self._zero if counted.min_count is None else counted.min_count
+        ledger.add("smallest_count", smallest, summed=False)
+        what = "the window's loss" if noise is None else "the window's loss and noise-scale sums"
+        settled = ledger.settle(self.dp_group, what=what, distributed=self._distributed)
+        totals = settled.unpack(WindowTotals)
+        if noise is not None:
+            big_sq, scale_sigma = settled.value("noise_global")  # type: ignore[misc]
+            noisy = [settled.value("noise_small"), settled.value("noise_batches"), big_sq, scale_sigma]
+            totals = dataclasses.replace(totals, noise=noisy)  # type: ignore[arg-type]
+        if self._distributed and objective is None and self._loss_replicas > 1:
+            totals = dataclasses.replace(totals, loss=totals.loss / self._loss_replicas)
+        if squares:
+            norm = settled.device("gradient").sqrt()
+            totals = dataclasses.replace(totals, gradient=math.sqrt(max(totals.gradient, 0.0)))
+        return totals, norm
+
+    def _apply_update(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: list[torch.Tensor],
+        norm: torch.Tensor | None,
+        norm_host: float,
+    ) -> float:
+        """Unscale, clip by the global pre-clip norm, step the optimizer and the scheduler, once.
+
+        Returns the pre-clip norm on the host (recomputed after unscaling under a GradScaler).
+        """
+        config = self.config
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            if config.wants_norm:
+                norm = self._grad_norm(grads)
+                norm_host = float(norm.item()) if norm is not None else math.nan
+        if config.max_grad_norm is not None and norm is not None:
+            if self.layout is not None:  # shards on several meshes: each rank scales its own part
+                clip_mesh_grads_(grads, config.max_grad_norm, norm)
+            else:
+                clip_grads_(params, config.max_grad_norm, norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return norm_host
 
     def skip(self, local_n: int, global_n: int, k: int, loss: float | None, reason: str) -> StepResult:
         """No update: gradients cleared, the skip counted, the same on every rank."""
@@ -601,6 +760,9 @@ class WindowEngine:
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """The global gradient norm: what every rank's clipping and skip decision must see."""
+        if self.layout is not None:  # every rank takes part, gradients or not
+            squares = local_squares(grads, self._norm_holders, self.device)
+            return dist.all_reduce_sum_(squares, self.dp_group, what="the gradient norm").sqrt()
         if self.kind == "fsdp":
             # FSDP1 shards flat gradients; its own method reduces the norm across ranks. With an
             # infinite max_norm it multiplies by exactly 1 (the clip coefficient is clamped to 1).
@@ -631,7 +793,7 @@ class WindowEngine:
 
     def _sync_backward(self, contribution: torch.Tensor, index: int) -> None:
         try:
-            contribution.backward()
+            self.backward(contribution)
         except Exception as exc:
             self.zero_grad()
             raise_from_sync_backward(exc, index, self.dp_group)

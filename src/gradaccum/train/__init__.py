@@ -1,32 +1,51 @@
-"""Training with exact accumulation: ``gradaccum train`` and its library entry point :func:`train`."""
+"""Training with exact accumulation: ``gradaccum train`` and its library entry point :func:`train`.
+
+The names are imported on first use (as in :mod:`gradaccum`), so that the command line reads
+:class:`TrainSpec` and the defaults of :mod:`gradaccum.train.spec` without importing torch. No
+submodule may share an exported name (importing ``gradaccum.train.X`` binds ``X`` to the module):
+:func:`evaluate` lives in ``evaluation.py`` for that reason.
+"""
 
 from __future__ import annotations
 
-from gradaccum.train.checkpoint import (
-    CheckpointError,
-    CheckpointWriteError,
-    ResumePoint,
-    TrainProgress,
-    checkpoint_problem,
-    find_intact,
-    latest_checkpoint,
-    remove_partial_checkpoints,
-    resolve_checkpoint,
-)
-from gradaccum.train.config import DEFAULT_WORKLOAD, TrainConfig, TrainError
-from gradaccum.train.data import DataPosition, ShardedStream, shard_bounds
-from gradaccum.train.evaluate import evaluate
-from gradaccum.train.loop import TrainControl, TrainResult, train
-from gradaccum.train.records import (
-    CheckpointRecord,
-    EvalRecord,
-    StepRecord,
-    TrainEvent,
-    TrainStart,
-    plot_loss,
-    read_metrics,
-)
-from gradaccum.train.schedule import SKIPPED_POLICY, Schedule, ScheduleConfig, resolve_schedule
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "CheckpointError": "gradaccum.train.checkpoint",
+    "CheckpointWriteError": "gradaccum.train.checkpoint",
+    "ResumePoint": "gradaccum.train.checkpoint",
+    "TrainProgress": "gradaccum.train.checkpoint",
+    "checkpoint_problem": "gradaccum.train.checkpoint",
+    "find_intact": "gradaccum.train.checkpoint",
+    "latest_checkpoint": "gradaccum.train.checkpoint",
+    "remove_partial_checkpoints": "gradaccum.train.checkpoint",
+    "resolve_checkpoint": "gradaccum.train.checkpoint",
+    "DEFAULT_WORKLOAD": "gradaccum.train.config",
+    "TrainConfig": "gradaccum.train.config",
+    "TrainError": "gradaccum.train.config",
+    "DataPosition": "gradaccum.train.data",
+    "ShardedStream": "gradaccum.train.data",
+    "shard_bounds": "gradaccum.train.data",
+    "evaluate": "gradaccum.train.evaluation",
+    "TrainControl": "gradaccum.train.loop",
+    "TrainResult": "gradaccum.train.loop",
+    "train": "gradaccum.train.loop",
+    "CheckpointRecord": "gradaccum.train.records",
+    "EvalRecord": "gradaccum.train.records",
+    "StepRecord": "gradaccum.train.records",
+    "TrainEvent": "gradaccum.train.records",
+    "TrainStart": "gradaccum.train.records",
+    "plot_loss": "gradaccum.train.records",
+    "read_metrics": "gradaccum.train.records",
+    "SKIPPED_POLICY": "gradaccum.train.schedule",
+    "Schedule": "gradaccum.train.schedule",
+    "ScheduleConfig": "gradaccum.train.schedule",
+    "resolve_schedule": "gradaccum.train.schedule",
+    "TrainSpec": "gradaccum.train.spec",
+    "ResolvedSpec": "gradaccum.train.resolve",
+    "resolve_spec": "gradaccum.train.resolve",
+}
 
 __all__ = [
     "DEFAULT_WORKLOAD",
@@ -36,6 +55,7 @@ __all__ = [
     "CheckpointWriteError",
     "DataPosition",
     "EvalRecord",
+    "ResolvedSpec",
     "ResumePoint",
     "Schedule",
     "ScheduleConfig",
@@ -47,6 +67,7 @@ __all__ = [
     "TrainEvent",
     "TrainProgress",
     "TrainResult",
+    "TrainSpec",
     "TrainStart",
     "checkpoint_problem",
     "evaluate",
@@ -57,6 +78,49 @@ __all__ = [
     "remove_partial_checkpoints",
     "resolve_checkpoint",
     "resolve_schedule",
+    "resolve_spec",
     "shard_bounds",
     "train",
 ]
+
+if TYPE_CHECKING:
+    from gradaccum.train.checkpoint import (
+        CheckpointError,
+        CheckpointWriteError,
+        ResumePoint,
+        TrainProgress,
+        checkpoint_problem,
+        find_intact,
+        latest_checkpoint,
+        remove_partial_checkpoints,
+        resolve_checkpoint,
+    )
+    from gradaccum.train.config import DEFAULT_WORKLOAD, TrainConfig, TrainError
+    from gradaccum.train.data import DataPosition, ShardedStream, shard_bounds
+    from gradaccum.train.evaluation import evaluate
+    from gradaccum.train.loop import TrainControl, TrainResult, train
+    from gradaccum.train.records import (
+        CheckpointRecord,
+        EvalRecord,
+        StepRecord,
+        TrainEvent,
+        TrainStart,
+        plot_loss,
+        read_metrics,
+    )
+    from gradaccum.train.resolve import ResolvedSpec, resolve_spec
+    from gradaccum.train.schedule import SKIPPED_POLICY, Schedule, ScheduleConfig, resolve_schedule
+    from gradaccum.train.spec import TrainSpec
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,17 +1,28 @@
-"""What one training run is: a frozen record the CLI builds and :func:`gradaccum.train.train` runs."""
+"""What one training run is: a frozen record that :func:`gradaccum.train.resolve_spec` builds from a
+:class:`~gradaccum.train.TrainSpec` (or a library caller writes) and :func:`gradaccum.train.train` runs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from gradaccum.check.workload import DEFAULT_WORKLOAD
 from gradaccum.errors import TrainError
+from gradaccum.names import DEFAULT_WORKLOAD, PRECISIONS, Precision
 from gradaccum.plan import BatchPlan
-from gradaccum.precision import PRECISIONS, Precision
 from gradaccum.step.config import AccumConfig
 from gradaccum.train.schedule import ScheduleConfig
+from gradaccum.train.spec import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_CHECKPOINT_MINUTES,
+    DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_LR,
+    DEFAULT_MAX_GRAD_NORM,
+    DEFAULT_MAX_SKIPS,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_WEIGHT_DECAY,
+    OPTIMIZERS,
+    OptimizerName,
+)
 from gradaccum.values import require_int
 
 __all__ = [
@@ -24,20 +35,6 @@ __all__ = [
     "TrainConfig",
     "TrainError",
 ]
-
-
-OptimizerName = Literal["adamw", "sgd", "workload"]
-"""``adamw``/``sgd``: built with ``lr`` and ``weight_decay``. ``workload``: the workload's own
-``optimizer_factory``; its groups' learning rates are the schedule's peak."""
-
-_OPTIMIZERS = ("adamw", "sgd", "workload")
-
-DEFAULT_CHECKPOINT_EVERY = 100
-"""Applied optimizer updates between periodic checkpoints."""
-DEFAULT_CHECKPOINT_MINUTES = 30.0
-"""Minutes between periodic checkpoints."""
-DEFAULT_KEEP_CHECKPOINTS = 3
-"""Intact checkpoints kept: the newest, and earlier ones to fall back on should it be damaged."""
 
 
 def _positive(name: str, value: object, *, allow_none: bool = True) -> None:
@@ -60,16 +57,18 @@ class TrainConfig:
     """Stop at the first boundary where this many valid units have been consumed."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Warmup + cosine or constant, and the clock they advance on."""
-    optimizer: OptimizerName = "adamw"
+    optimizer: OptimizerName = DEFAULT_OPTIMIZER
     """Which optimizer to build."""
-    lr: float = 1e-2
+    lr: float = DEFAULT_LR
     """Peak learning rate (``adamw``/``sgd``); the schedule multiplies it by its factor."""
-    weight_decay: float = 0.0
+    weight_decay: float = DEFAULT_WEIGHT_DECAY
     """Decoupled weight decay (``adamw``) or L2 penalty (``sgd``)."""
     precision: Precision = "float32"
     """Compute precision; see :data:`Precision`."""
     accum: AccumConfig = field(
-        default_factory=lambda: AccumConfig(max_grad_norm=1.0, track_grad_norm=True, max_consecutive_skips=10)
+        default_factory=lambda: AccumConfig(
+            max_grad_norm=DEFAULT_MAX_GRAD_NORM, track_grad_norm=True, max_consecutive_skips=DEFAULT_MAX_SKIPS
+        )
     )
     """The Accumulator's settings: clipping, skip policy, consecutive-skip limit."""
     seed: int = 0
@@ -115,8 +114,8 @@ class TrainConfig:
         _positive("eval_examples", self.eval_examples, allow_none=False)
         if self.precision not in PRECISIONS:
             raise TrainError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.optimizer not in _OPTIMIZERS:
-            raise TrainError(f"optimizer must be one of {', '.join(_OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise TrainError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise TrainError(f"lr must be a positive number, got {self.lr!r}")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):

@@ -50,7 +50,7 @@ from gradaccum.train.checkpoint import (
 )
 from gradaccum.train.config import TrainConfig, TrainError
 from gradaccum.train.data import ShardedStream
-from gradaccum.train.evaluate import evaluate
+from gradaccum.train.evaluation import evaluate
 from gradaccum.train.records import (
     METRICS_FILE,
     CheckpointRecord,

@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 
 from gradaccum.batch import Batch
-from gradaccum.check.workload import Workload
 from gradaccum.errors import GradAccumError, WorkloadError
 from gradaccum.loss import CausalLMLoss
 from gradaccum.packing import Packed, pack, pad, pieces
+from gradaccum.workloads.base import Workload
 from gradaccum.workloads.data import read_documents
 from gradaccum.workloads.spec import DEFAULT_SEQ_LEN, HFSpec
 

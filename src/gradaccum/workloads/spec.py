@@ -12,14 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode
 
-from gradaccum.check.workload import HF_PREFIX
 from gradaccum.errors import WorkloadError
-from gradaccum.loss import NORMALIZATIONS, Normalization
+from gradaccum.names import DEFAULT_SEQ_LEN, DEFAULT_TEXT_FIELD, HF_PREFIX, NORMALIZATIONS, Normalization
 
 __all__ = ["DEFAULT_SEQ_LEN", "DEFAULT_TEXT_FIELD", "HF_PREFIX", "HFSpec"]
 
-DEFAULT_SEQ_LEN = 128
-DEFAULT_TEXT_FIELD = "text"
 _KEYS = ("data", "text_field", "seq_len", "pack", "normalization")
 
 

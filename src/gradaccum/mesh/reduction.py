@@ -1,0 +1,106 @@
+"""What the model's gradient reductions divide by, and the norm of gradients spread over a mesh.
+
+**The averaging factor.** Each rank backpropagates its summed loss times s. A reduction that
+*averages* over a group G turns sum_r s grad_r into s sum_r grad_r / |G|; the full-batch gradient
+is sum_r grad_r / N. So s = F / N, where F is the product of the divisors of every reduction the
+gradient passes through: DDP's average over its process group, FSDP2's reduce-scatter over the
+shards times HSDP's all-reduce over the replicas (FSDP2 divides once by their product), or the
+factor set with ``FSDPModule.set_gradient_divide_factor`` (torchtitan sets 1.0: a sum). Tensor
+parallelism does not reduce gradients over TP ranks (each holds its shard, computed from the same
+tokens), so TP never enters F; context parallelism does, through the FSDP or DDP group that spans
+the CP ranks.
+
+**The norm.** Clipping needs the norm of the whole gradient: every shard (FSDP, TP), every pipeline
+stage. torch 2.13's ``get_total_norm`` refuses DTensors on two meshes (TP on some layers gives 2-D
+gradients, the rest 1-D), so the norm is assembled here: over the ranks that hold parts of the
+model, each rank adds, for each gradient, its local squared norm divided by the number of ranks
+holding each of its elements, |group| / prod(sizes of the dims it is sharded over); one all-reduce
+(the step's end-of-window one) sums them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from gradaccum.distributed import dist
+from gradaccum.distributed.sync import SyncKind, sync_module
+
+__all__ = ["averaging_factor", "clip_mesh_grads_", "local_squares"]
+
+
+def _fsdp2_divisor(model: nn.Module) -> float | None:
+    """The divisor of FSDP2's gradient reduction: the factor set with ``set_gradient_divide_factor``,
+    else shards x replicas of its mesh. FSDP2 has no public getter (torch 2.13): the setter writes
+    ``gradient_divide_factor`` on each parameter group, whose ``mesh_info`` holds the sizes."""
+    for sub in model.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
+        if not groups:
+            continue
+        group = groups[0]
+        factor = getattr(group, "gradient_divide_factor", None)
+        if factor is not None:
+            return float(factor)
+        info = getattr(group, "mesh_info", None)
+        shards = getattr(info, "shard_mesh_size", None)
+        if shards is None:
+            return None
+        return float(shards * getattr(info, "replicate_mesh_size", 1))
+    return None
+
+
+def averaging_factor(model: nn.Module, kind: SyncKind, data_size: int) -> float:
+    """F: what the model's gradient reductions divide the summed gradient by (see the module doc).
+
+    ``data_size``: ranks holding different tokens, the fallback where the wrapper does not say.
+    """
+    if kind == "local":
+        return 1.0
+    owner = sync_module(model)
+    if kind == "ddp":
+        return float(dist.world_size(getattr(owner, "process_group", None)))
+    if kind == "fsdp2":
+        divisor = _fsdp2_divisor(owner)
+        return float(data_size) if divisor is None else divisor
+    return float(data_size)
+
+
+def _holders(grad: torch.Tensor, group_size: int) -> int:
+    """Ranks of the group that hold each element of ``grad`` (a full copy on each, unless sharded)."""
+    placements = getattr(grad, "placements", None)
+    if placements is None:
+        return group_size
+    mesh = grad.device_mesh  # type: ignore[attr-defined]
+    # a dimension splits the gradient unless it replicates it (FSDP's _StridedShard under TP is
+    # not a Shard subclass in torch 2.13, so "not replicated" is the test, not "is_shard")
+    split = math.prod(mesh.size(i) for i, p in enumerate(placements) if not p.is_replicate())
+    return max(group_size // split, 1)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (the local shard of a DTensor; shares its storage)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
+
+
+def local_squares(grads: Sequence[torch.Tensor], group_size: int, device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared norm of a gradient spread over ``group_size`` ranks:
+    summed over those ranks (one all-reduce, which the caller may share), it is |grad|^2."""
+    squares = [
+        torch.linalg.vector_norm(_local(g), dtype=torch.float64).square() / _holders(g, group_size)
+        for g in grads
+    ]
+    return torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
+
+
+def clip_mesh_grads_(grads: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Multiply every local shard by min(1, max_norm / (norm + 1e-6)), as ``clip_grad_norm_`` does."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grad in grads:
+            local = _local(grad)
+            local.mul_(coef.to(local.device, local.dtype))

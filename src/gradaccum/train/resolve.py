@@ -1,0 +1,226 @@
+"""From a :class:`~gradaccum.train.spec.TrainSpec` and the launch to the
+:class:`~gradaccum.train.config.TrainConfig` that :func:`~gradaccum.train.loop.train` runs.
+
+The decisions live here, not in the command line: the plan is solved for the world size, a run card
+fixes the plan, precision, seed, accumulation and optimizer (and refuses flags that would change
+them), unset settings take their defaults, and 0 turns clipping or a checkpoint trigger off. The
+launch itself (the device, the process group, the run folder) is the command line's: it reads
+torchrun's environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from gradaccum.errors import PlanError, RunCardError
+from gradaccum.names import DEFAULT_WORKLOAD
+from gradaccum.plan import BatchPlan
+from gradaccum.runcard import RunCard, read_runcard
+from gradaccum.step.config import AccumConfig
+from gradaccum.train.config import TrainConfig
+from gradaccum.train.schedule import ScheduleConfig
+from gradaccum.train.spec import (
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_LR,
+    DEFAULT_MAX_GRAD_NORM,
+    DEFAULT_MAX_SKIPS,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_STEPS,
+    DEFAULT_WEIGHT_DECAY,
+    TrainSpec,
+)
+
+__all__ = ["ResolvedSpec", "resolve_spec"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResolvedSpec:
+    """What a request resolves to on this launch."""
+
+    config: TrainConfig
+    """The run."""
+    notes: tuple[str, ...]
+    """What was taken from the run card, one line each, for the start banner (empty without one)."""
+
+
+# the fields resolve_spec computes; every other TrainSpec field named like a TrainConfig field
+# passes through unchanged (a new flag needs no line here)
+_RESOLVED = frozenset(
+    {
+        "workload",
+        "runcard",
+        "global_batch",
+        "micro_batch",
+        "precision",
+        "seed",
+        "steps",
+        "optimizer",
+        "lr",
+        "weight_decay",
+        "max_grad_norm",
+        "max_consecutive_skips",
+        "schedule",
+        "schedule_clock",
+        "warmup",
+        "horizon",
+        "min_lr_ratio",
+        "noise_scale",
+        "checkpoint_every",
+        "checkpoint_minutes",
+    }
+)
+_CONFIG_FIELDS = frozenset(f.name for f in fields(TrainConfig))
+
+
+def resolve_spec(
+    spec: TrainSpec, *, world: int, device: str, run_dir: Path, resume: Path | None
+) -> ResolvedSpec:
+    """The run ``spec`` asks for with ``world`` processes on ``device``, writing to ``run_dir`` and
+    continuing from ``resume`` (or starting fresh)."""
+    notes: tuple[str, ...] = ()
+    if spec.runcard is not None:
+        plan, fixed, notes = _from_card(spec, spec.runcard, world)
+    else:
+        plan, fixed = _from_flags(spec, world)
+    steps = spec.steps if spec.steps is not None or spec.tokens is not None else DEFAULT_STEPS
+    passed = {
+        name: getattr(spec, name)
+        for name in (f.name for f in fields(TrainSpec))
+        if name in _CONFIG_FIELDS and name not in _RESOLVED
+    }
+    config = TrainConfig(
+        plan=plan,
+        run_dir=run_dir,
+        steps=steps,
+        schedule=ScheduleConfig(
+            kind=spec.schedule,
+            clock=spec.schedule_clock,
+            warmup=spec.warmup,
+            horizon=spec.horizon,
+            min_lr_ratio=spec.min_lr_ratio,
+        ),
+        device=device,
+        # 0 turns a checkpoint trigger off
+        checkpoint_every=spec.checkpoint_every if spec.checkpoint_every > 0 else None,
+        checkpoint_minutes=spec.checkpoint_minutes if spec.checkpoint_minutes > 0 else None,
+        resume=resume,
+        **fixed,
+        **passed,
+    )
+    return ResolvedSpec(config=config, notes=notes)
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]:
+    plan = BatchPlan.solve(
+        global_batch=_given(spec.global_batch, DEFAULT_GLOBAL_BATCH),
+        micro_batch=_given(spec.micro_batch, DEFAULT_MICRO_BATCH),
+        dp=world,
+    )
+    max_norm = _given(spec.max_grad_norm, DEFAULT_MAX_GRAD_NORM)
+    accum = AccumConfig(
+        max_grad_norm=max_norm if max_norm != 0 else None,  # 0 turns clipping off
+        track_grad_norm=True,
+        max_consecutive_skips=_given(spec.max_consecutive_skips, DEFAULT_MAX_SKIPS),
+        noise_scale=spec.noise_scale,
+    )
+    fixed = {
+        "workload": _given(spec.workload, DEFAULT_WORKLOAD),
+        "precision": _given(spec.precision, "float32"),
+        "seed": _given(spec.seed, 0),
+        "accum": accum,
+        "optimizer": _given(spec.optimizer, DEFAULT_OPTIMIZER),
+        "lr": _given(spec.lr, DEFAULT_LR),
+        "weight_decay": _given(spec.weight_decay, DEFAULT_WEIGHT_DECAY),
+    }
+    return plan, fixed
+
+
+def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict[str, Any], tuple[str, ...]]:
+    """The plan and settings a run card fixes, and the lines that say what was taken from it."""
+    card = read_runcard(path)
+    given = spec.given()
+    if given:
+        clashes = "; ".join(
+            f"{_flag(name)} {_word(getattr(spec, name))} (the card has {_card_value(card, name)})"
+            for name in given
+        )
+        raise PlanError(
+            f"--runcard {path} fixes what was verified, and these flags would change it: "
+            f"{clashes}. Drop them, or train without --runcard."
+        )
+    if card.plan.dp != world:
+        processes = f"{world:,} {'process' if world == 1 else 'processes'}"
+        raise PlanError(
+            f"run card {path} was verified with dp={card.plan.dp} ({card.plan.equation()}), but "
+            f"this job has {processes}. Launch with torchrun --nproc-per-node "
+            f"{card.plan.dp}, or verify a plan for this world size."
+        )
+    if card.optimizer in ("adamw", "sgd") and card.lr is None:
+        raise RunCardError(
+            f"run card {path} names optimizer {card.optimizer} but no lr; it cannot be trained "
+            "as recorded (write lr into the card, or run accept again)"
+        )
+    # track_grad_norm and noise_scale only add figures to the records; they do not change the update
+    fixed = {
+        "workload": card.workload,
+        "precision": card.precision,
+        "seed": card.seed,
+        "accum": replace(
+            card.accum, track_grad_norm=True, noise_scale=card.accum.noise_scale or spec.noise_scale
+        ),
+        "optimizer": card.optimizer,
+        "lr": card.lr if card.lr is not None else DEFAULT_LR,
+        "weight_decay": card.weight_decay if card.weight_decay is not None else DEFAULT_WEIGHT_DECAY,
+    }
+    if card.optimizer == "workload":
+        optimizer = "the workload's own optimizer_factory (its learning rates are the schedule's peak)"
+    else:
+        optimizer = f"{card.optimizer}, lr {card.lr:g}, weight decay {_word(fixed['weight_decay'])}"
+    accum = ", ".join(f"{k} {_word(v)}" for k, v in card.accum.to_dict().items() if k != "track_grad_norm")
+    notes = (
+        f"from run card {path}: workload {card.workload}; {card.plan.equation()}; precision "
+        f"{card.precision}"
+        + (" (with a GradScaler)" if card.precision == "float16" else "")
+        + f"; seed {card.seed}",
+        f"from run card: optimizer {optimizer}",
+        f"from run card: accumulation {accum}",
+    )
+    return card.plan, fixed, notes
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _card_value(card: RunCard, name: str) -> str:
+    values = {
+        "workload": card.workload,
+        "global_batch": f"{card.plan.global_batch} ({card.plan.equation()})",
+        "micro_batch": f"{card.plan.micro_batch} ({card.plan.equation()})",
+        "precision": card.precision,
+        "seed": card.seed,
+        "optimizer": card.optimizer,
+        "lr": "none (the workload's optimizer)" if card.lr is None else f"{card.lr:g}",
+        "weight_decay": "none (the workload's optimizer)"
+        if card.weight_decay is None
+        else f"{card.weight_decay:g}",
+        "max_grad_norm": _word(card.accum.max_grad_norm),
+        "max_consecutive_skips": _word(card.accum.max_consecutive_skips),
+    }
+    return str(values[name])
+
+
+def _word(value: Any) -> str:
+    """A setting as a person writes it: no Python ``None``/``True``."""
+    if value is None:
+        return "off"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:g}" if isinstance(value, float) else str(value)

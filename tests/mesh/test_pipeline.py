@@ -1,0 +1,191 @@
+"""``PipelineAccumulator`` on a pp=2 x dp=2 mesh of 4 gloo processes: GPipe, 1F1B, Interleaved1F1B.
+
+Each data rank holds 8 one-row micro-batches of uneven valid tokens; every layout must equal one
+SGD step on all 16 rows on one process (float64: only the summation order differs, ~1e-16; 1e-10
+leaves six orders of margin and still sees any factor, e.g. PyTorch's own ``scale_grads`` 1/8).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.helpers.launcher import run_ranks, values
+from tests.mesh import models
+
+pytestmark = pytest.mark.distributed
+
+EXACT = 1e-10
+K = 8  # micro-batches per data rank
+CLIP = 0.05
+PARTS = ("embed", "l0", "l1", "l2", "l3", "head")
+STAGES = {
+    2: [("embed", "l0", "l1"), ("l2", "l3", "head")],
+    4: [("embed", "l0"), ("l1",), ("l2",), ("l3", "head")],
+}
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(models.DIM, models.DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+def full_model() -> nn.ModuleDict:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        parts = nn.ModuleDict(
+            {
+                "embed": nn.Embedding(models.VOCAB, models.DIM),
+                **{f"l{i}": Layer() for i in range(4)},
+                "head": nn.Linear(models.DIM, models.VOCAB),
+            }
+        )
+    return parts.to(torch.float64)
+
+
+class Stage(nn.Module):
+    """Some consecutive parts of the full model, under their full-model names."""
+
+    def __init__(self, parts: nn.ModuleDict, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleDict({n: copy.deepcopy(parts[n]) for n in names})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self.parts.values():
+            x = module(x)
+        return x
+
+
+def run_full(parts: nn.ModuleDict, ids: torch.Tensor) -> torch.Tensor:
+    x = ids
+    for name in PARTS:
+        x = parts[name](x)
+    return x
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        output.reshape(-1, models.VOCAB), target.reshape(-1), ignore_index=models.IGNORE, reduction="sum"
+    )
+
+
+def count_fn(target: torch.Tensor) -> int:
+    return int((target != models.IGNORE).sum())
+
+
+def _named(stage: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in stage.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.split("parts.", 1)[-1].replace("module.", "")] = full.detach().clone()
+    return out
+
+
+def _pipeline(schedule: str, wrap: str, clip: float | None, built_for: int | None = None) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradaccum
+    from gradaccum.pipeline import PipelineAccumulator
+
+    data_dim = "dp_shard" if wrap == "fsdp2" else "dp_replicate"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", data_dim))
+    p, d = mesh.get_coordinate()
+    layout = STAGES[4 if schedule == "Interleaved1F1B" else 2]
+    mine = [i for i in range(len(layout)) if i % 2 == p]  # stage i lives on pp rank i mod 2
+    parts = full_model()
+    stages, params = [], []
+    for i in mine:
+        module: nn.Module = Stage(parts, layout[i])
+        if wrap == "fsdp2":
+            fully_shard(module, mesh=mesh[data_dim])
+        else:
+            module = DDP(module, process_group=mesh[data_dim].get_group())
+        params += list(module.parameters())
+        stages.append(
+            PipelineStage(module, i, len(layout), torch.device("cpu"), group=mesh["pp"].get_group())
+        )
+    optimizer = torch.optim.SGD(params, lr=models.LR, foreach=False)
+    config = gradaccum.AccumConfig(max_grad_norm=clip)
+    given: Any = schedule
+    if built_for is not None:  # the caller's own schedule object, for another window length
+        from torch.distributed.pipelining import Schedule1F1B
+
+        given = Schedule1F1B(stages[0], n_microbatches=built_for, loss_fn=loss_fn, scale_grads=False)
+    acc = PipelineAccumulator(stages, optimizer, loss_fn, schedule=given, mesh=mesh, config=config)
+    data = models.batch(2 * K, seed=11)
+    rows = models.rows(data, d * K, (d + 1) * K)
+    window = [(rows["ids"][j : j + 1], rows["labels"][j : j + 1]) for j in range(K)]
+    try:
+        result = acc.step(window, count_fn)
+    except gradaccum.ConfigError as exc:
+        return {"refused": str(exc)}
+    out: dict[str, Any] = {"global": result.global_count, "loss": result.loss}
+    for stage in stages:
+        out.update(_named(stage.submod))
+    return out
+
+
+def _pipeline_rank(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for schedule, wrap in (("GPipe", "fsdp2"), ("1F1B", "fsdp2"), ("Interleaved1F1B", "ddp")):
+        out[schedule] = _pipeline(schedule, wrap, None)
+    out["1F1B clip"] = _pipeline("1F1B", "fsdp2", CLIP)
+    out["1F1B ddp"] = _pipeline("1F1B", "ddp", None)  # DDP sums inside single-stage schedules
+    out["mismatch"] = _pipeline("1F1B", "ddp", None, built_for=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return values(run_ranks(_pipeline_rank, world=4, timeout_s=420))
+
+
+def reference(clip: float | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    parts = full_model()
+    start = {n: p.detach().clone() for n, p in parts.named_parameters()}
+    data = models.batch(2 * K, seed=11)
+    loss = loss_fn(run_full(parts, data["ids"]), data["labels"]) / count_fn(data["labels"])
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(parts.parameters(), clip)
+    with torch.no_grad():
+        for p in parts.parameters():
+            p -= models.LR * p.grad
+    return {n: p.detach().clone() for n, p in parts.named_parameters()}, start
+
+
+def _merged(ranks: list[dict[str, Any]], key: str, data_index: int) -> dict[str, torch.Tensor]:
+    """Both stages' parameters as seen by the ranks of one data index (pp=0 and pp=1)."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in (data_index, 2 + data_index):
+        merged.update({n: v for n, v in ranks[rank][key].items() if isinstance(v, torch.Tensor)})
+    return merged
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "1F1B clip", "1F1B ddp"])
+def test_pipeline_schedules_equal_the_full_batch(ranks: list[dict[str, Any]], schedule: str) -> None:
+    want, start = reference(CLIP if "clip" in schedule else None)
+    data = models.batch(2 * K, seed=11)
+    for r in ranks:
+        assert r[schedule]["global"] == count_fn(data["labels"])
+    for d in (0, 1):
+        got = _merged(ranks, schedule, d)
+        assert sorted(got) == sorted(want)
+        assert models.update_error(got, want, start) < EXACT
+
+
+def test_a_schedule_for_another_window_length_is_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert "n_microbatches=4 but the window holds 8" in r["mismatch"]["refused"]
