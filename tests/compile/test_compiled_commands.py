@@ -68,3 +68,29 @@ def test_a_run_card_without_compile_reads_as_eager_and_a_wrong_value_is_refused(
         RunCard.from_dict({**data, "compile": "yes"})
     with pytest.raises(TrainError, match="compile with FSDP2"):
         config(Path("unused"), dp=2, global_batch=8, fsdp=True, compile=True)
+
+
+def test_train_runcard_that_says_compile_compiles_and_prints_the_windows_that_did(
+    aot_eager_default: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradaccum.cli.main import main
+    from gradaccum.runcard import write_runcard
+    from gradaccum.step.config import AccumConfig
+
+    card = RunCard(
+        workload="gradaccum.examples:tiny_gpt",
+        plan=BatchPlan(micro_batch=4, accum_steps=2),
+        accum=AccumConfig(max_grad_norm=0.5),
+        precision="float64",
+        compile=True,
+    )
+    write_runcard(card, tmp_path / "card.json")
+    run_dir = tmp_path / "run"
+    argv = ["train", "--runcard", str(tmp_path / "card.json"), "--steps", "2", "--run-dir", str(run_dir)]
+    with one_thread():
+        code = main([*argv, "--threads", "1"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert code == 0, text
+    assert "; compiled (torch.compile)" in text
+    assert "step 1: torch.compile compiled" in text and "step 2: torch.compile" not in text
+    assert json.loads((run_dir / "runcard.json").read_text())["compile"] is True

@@ -146,6 +146,8 @@ class TrainSpec:
     """Estimate the gradient noise scale from the micro-batches (the update is unchanged)."""
     fsdp: bool = False
     """Shard with FSDP2 instead of DDP."""
+    compile: bool = False
+    """torch.compile the model in place before DDP (a run card that says so compiles too)."""
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
     """Checkpoint every this many applied updates; 0: not by count."""
     checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES
