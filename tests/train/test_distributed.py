@@ -86,6 +86,35 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["fp16"] = [(s.applied, s.loss_scale, s.lr, s.step) for s in events if isinstance(s, StepRecord)]
     out["fp16_progress"] = fp16.progress
 
+    # the batch-size schedule under DDP: every rank makes the same decisions (issue 26)
+    from gradaccum.examples.regression import regression
+    from gradaccum.step.config import AccumConfig
+    from gradaccum.train.batch_schedule import BatchChange, CriticalBatchConfig
+
+    events = []
+    grown = train(
+        config(
+            root / "batch",
+            dp=2,
+            micro_batch=4,
+            global_batch=8,
+            steps=40,
+            optimizer="sgd",
+            lr=0.02,
+            schedule=ScheduleConfig(kind="constant", warmup=0),
+            accum=AccumConfig(noise_scale=True, track_grad_norm=True),
+            batch_schedule=CriticalBatchConfig(max_global_batch=64, min_updates=10),
+            workload="gradaccum.examples.regression:regression",
+            checkpoint_every=None,
+            checkpoint_minutes=None,
+        ),
+        workload=regression(),
+        on_event=events.append,
+    )
+    out["batch_changes"] = [e for e in events if isinstance(e, BatchChange)]
+    out["batch_sizes"] = [(s.global_batch, s.window_tokens) for s in events if isinstance(s, StepRecord)]
+    out["batch_checkpoint"] = str(grown.checkpoints[-1])
+
     # the command line under an existing process group (as torchrun would give)
     argv = ["train", "--steps", "3", "--global-batch", "16", "--micro-batch", "4", "--precision", "float64"]
     out["cli"] = main([*argv, "--run-dir", str(root / "cli")])
@@ -154,6 +183,14 @@ def test_fp16_overflow_on_one_rank_is_skipped_on_every_rank(ranks: Any) -> None:
     # steps clock, constant schedule with warmup 3: the skipped update does not advance the clock
     assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3], rel=REL)
     assert r0["fp16_progress"].steps_skipped == r1["fp16_progress"].steps_skipped == 1
+
+
+def test_every_rank_makes_the_same_batch_decisions(ranks: Any) -> None:
+    _, (r0, r1) = ranks
+    assert r0["batch_changes"], "the schedule never grew the batch under DDP"
+    assert r0["batch_changes"] == r1["batch_changes"] and r0["batch_sizes"] == r1["batch_sizes"]
+    assert all(c.global_batch % 8 == 0 for c in r0["batch_changes"])  # micro-batch 4 x dp 2
+    assert all(size == rows for size, rows in r0["batch_sizes"])  # each window held the decided batch
 
 
 def test_cli_trains_under_an_existing_process_group(ranks: Any) -> None:

@@ -56,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME=SIZE,...",
         help="the device mesh, e.g. dp_replicate=2,dp_shard=4,cp=2,tp=2,pp=2: the batch equation "
         "with its dimensions (dp = dp_replicate x dp_shard; cp, tp and pp ranks share samples); "
-        "each plan's DP must equal the mesh's",
+        "each plan's DP must equal the mesh's (default: no mesh)",
     )
     p.add_argument(
         "--final-window",

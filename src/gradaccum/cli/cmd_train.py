@@ -57,6 +57,7 @@ from gradaccum.errors import (
     TrainError,
 )
 from gradaccum.names import PRECISIONS
+from gradaccum.train.batch_schedule import DEFAULT_GROWTH, DEFAULT_LR_RULE, DEFAULT_MIN_UPDATES, LR_RULES
 from gradaccum.train.spec import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_CHECKPOINT_MINUTES,
@@ -93,6 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_what(p.add_argument_group("what to train"))
     _add_length(p.add_argument_group("how long"))
     _add_optimizer(p.add_argument_group("optimizer and schedule"))
+    _add_batch_schedule(p.add_argument_group("batch-size schedule (the critical batch)"))
     _add_run(p.add_argument_group("run"))
     add_data_options(p)
     p.set_defaults(func=run)
@@ -218,6 +220,47 @@ def _add_optimizer(opt: argparse._ArgumentGroup) -> None:
         default=0.1,
         metavar="R",
         help="the cosine's floor as a fraction of the peak, 0 to 1 (default 0.1)",
+    )
+
+
+def _add_batch_schedule(batch: argparse._ArgumentGroup) -> None:
+    batch.add_argument(
+        "--batch-schedule",
+        choices=("fixed", "critical"),
+        help="critical: grow the global batch toward the measured noise scale B_simple by raising "
+        "accum_steps (the micro-batch, and memory, stay fixed; turns --noise-scale on) (default fixed)",
+    )
+    batch.add_argument(
+        "--max-global-batch",
+        type=int_at_least(1),
+        metavar="G",
+        help="the largest global batch, examples over all ranks, a multiple of --micro-batch x "
+        "processes (default: none; required with --batch-schedule critical)",
+    )
+    batch.add_argument(
+        "--batch-growth",
+        type=number_above(1.0),
+        metavar="F",
+        help=f"at most this factor per change (default {DEFAULT_GROWTH:g})",
+    )
+    batch.add_argument(
+        "--batch-min-updates",
+        type=int_at_least(1),
+        metavar="N",
+        help=f"applied updates before the first change and between changes; the decision reads the "
+        f"last N windows' estimates (default {DEFAULT_MIN_UPDATES})",
+    )
+    batch.add_argument(
+        "--batch-lr-rule",
+        choices=LR_RULES,
+        help=f"the learning rate when the batch grows from B0 to B: keep, sqrt (x sqrt(B/B0), Adam's "
+        f"rule) or linear (x B/B0, SGD's) (default {DEFAULT_LR_RULE})",
+    )
+    batch.add_argument(
+        "--batch-fraction",
+        type=number_above(0.0),
+        metavar="R",
+        help="aim the global batch at R x B_simple; below 1 spends fewer tokens and more updates (default 1)",
     )
 
 

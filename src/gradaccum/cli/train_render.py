@@ -37,7 +37,7 @@ class TrainRenderer:
         self.tokens, self.seconds = 0, 0.0
 
     def __call__(self, event: TrainEvent) -> None:
-        from gradaccum.train.records import CheckpointRecord, EvalRecord, StepRecord, TrainStart
+        from gradaccum.train.records import BatchChange, CheckpointRecord, EvalRecord, StepRecord, TrainStart
 
         if isinstance(event, TrainStart):
             self._start(event)
@@ -46,6 +46,13 @@ class TrainRenderer:
         elif isinstance(event, EvalRecord):
             self._print(
                 f"eval at step {event.step}: loss {fmt(event.eval_loss)} over {event.eval_tokens:,} tokens"
+            )
+        elif isinstance(event, BatchChange):
+            self._print(
+                f"global batch {event.from_global_batch:,} -> {event.global_batch:,} "
+                f"(accum_steps {event.accum_steps}) after step {event.step}: B_simple over the last "
+                f"windows ~ {event.b_simple:,.0f}, aiming at {event.target:,.1f} examples (its lower "
+                f"bound); lr x {event.lr_scale:.3g} of the starting batch's"
             )
         elif isinstance(event, CheckpointRecord):
             self._print(
@@ -96,6 +103,15 @@ class TrainRenderer:
             moves = "a larger global batch keeps the tokens and takes fewer steps"
         console.print(f"warmup: {keeps}; {moves}")
         console.print(escape(checkpoint_policy(cfg)))
+        if start.batch_schedule is not None:
+            b = start.batch_schedule
+            grown = [c["global_batch"] for c in b["changes"]]
+            console.print(
+                f"batch schedule: critical, from {b['start_global_batch']:,} up to {b['max_global_batch']:,} "
+                f"examples, x{b['growth']:g} at most per change, {b['min_updates']} updates between changes, "
+                f"aiming at {b['fraction']:g} x B_simple; lr rule {b['lr_rule']}"
+                + (f"; grown so far to {grown[-1]:,}" if grown else "")
+            )
         for skipped in start.skipped_checkpoints:
             console.print(
                 f"[yellow]note:[/yellow] passed over a checkpoint that is not intact: {escape(skipped)}"
@@ -171,6 +187,13 @@ class TrainRenderer:
             console.print(f"eval loss {result.eval_loss:.4f}")
         if result.critical_batch is not None:
             console.print(escape(result.critical_batch))
+        if result.batch_schedule is not None:
+            b = result.batch_schedule
+            path = [b["start_global_batch"], *(c["global_batch"] for c in b["changes"])]
+            console.print(
+                f"batch schedule: global batch {' -> '.join(f'{g:,}' for g in path)} "
+                f"({count(len(b['changes']), 'change')}; lr rule {b['lr_rule']}; per step in metrics.jsonl)"
+            )
         # the same clock as the progress lines (time inside windows), then the whole wall time
         in_windows = self.tokens / self.seconds if self.seconds else 0.0
         console.print(

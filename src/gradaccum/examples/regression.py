@@ -14,14 +14,18 @@ so micro-batches of equal size can hold unequal counts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["RegressionPopulation", "regression_count", "regression_loss"]
+if TYPE_CHECKING:
+    from gradaccum.check.workload import Workload
+
+__all__ = ["RegressionPopulation", "regression", "regression_count", "regression_loss"]
 
 
 def regression_loss(model: nn.Module, micro_batch: dict[str, Any]) -> torch.Tensor:
@@ -94,3 +98,34 @@ class RegressionPopulation:
             weight = (torch.rand(size, generator=generator) >= masked).to(torch.int64)
             out.append({"x": self.x[rows], "y": self.y[rows], "w": weight, "i": rows})
         return out
+
+
+@functools.cache
+def _population() -> RegressionPopulation:
+    return RegressionPopulation.build()
+
+
+def _draw(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` rows of the default population drawn with replacement (the estimator's independent
+    draws), all counted, deterministic in ``seed``."""
+    population = _population()
+    return population.window([n], torch.Generator().manual_seed(seed))[0]
+
+
+def regression() -> Workload:
+    """The regression as a workload (``--workload gradaccum.examples.regression:regression``): its
+    noise scale at any weights is :meth:`RegressionPopulation.truth` of the default population, and
+    its held-out loss can be computed exactly over the whole population. float64 throughout."""
+    from gradaccum.check.workload import Workload
+
+    return Workload(
+        name="regression",
+        build_model=lambda: _population().model(),
+        make_batch=_draw,
+        loss_fn=regression_loss,
+        count_fn=regression_count,
+        batch_size=8,
+        micro_batch=2,
+        unit="examples",
+        description="linear regression on a finite population; its gradient noise scale is known exactly",
+    )

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import Accumulated, CountFn, WindowEngine
@@ -56,7 +55,8 @@ class PipelineAccumulator(EngineFace):
     >>> result = acc.step(window, count_fn)   # window: [(inputs, target), ...] on every rank
 
     ``stages``: this rank's ``PipelineStage`` objects (one; two or more for ``Interleaved1F1B``),
-    their submodules wrapped in DDP or FSDP2 over the data dimensions where there are several.
+    their submodules sharded with FSDP2 over the data dimensions where there are several (DDP is
+    refused: see :func:`_refuse_ddp`).
     ``optimizer`` holds their parameters. ``schedule``: a name from :data:`SCHEDULES`, or a
     schedule built by the caller (its ``n_microbatches`` must equal each window's length, and
     ``scale_grads=False``). The settings (clipping, skipping) are :class:`AccumConfig`'s.
@@ -89,7 +89,7 @@ class PipelineAccumulator(EngineFace):
         self._loss_fn = loss_fn
         self._schedules: dict[int, Any] = {}
         modules = nn.ModuleList([s.submod for s in stages])
-        factor = _ddp_factor(stages[0].submod, self._schedule_name)
+        _refuse_ddp([s.submod for s in stages])
         self._engine = WindowEngine(
             modules,
             optimizer,
@@ -99,7 +99,6 @@ class PipelineAccumulator(EngineFace):
             mesh_dims=mesh_dims,
             pipeline=True,
             synced=stages[0].submod,
-            factor=factor,
         )
         assert self._engine.layout is not None
         stage_count = stages[0].num_stages
@@ -190,22 +189,25 @@ class PipelineAccumulator(EngineFace):
         return engine.conclude(counted, Accumulated(loss, zero, False, k))
 
 
-def _ddp_factor(submod: nn.Module, schedule: str) -> float | None:
-    """What DDP's reduction divides by inside a pipeline schedule (``None``: not DDP, ask the wrapper).
+def _refuse_ddp(submods: list[nn.Module]) -> None:
+    """DDP inside a torch 2.13 pipeline schedule reduces by a factor that is not stable: refused.
 
-    The single-stage schedules (GPipe, 1F1B) run every DDP forward under ``no_sync`` and prepare
-    the reducer by hand before the last backward; the reducer then *sums* (torch 2.13, measured:
-    exactly twice the average on 2 ranks, every step). The interleaved runtime's DDP reduction
-    averages over the process group. ``tests/mesh/test_pipeline.py`` pins both: a torch that
-    changes either fails there instead of training with a factor of W.
+    The schedules run every DDP forward under ``no_sync`` and prepare the reducer by hand before
+    the last backward. Measured on 2 gloo ranks (float64, the same window): GPipe and 1F1B summed
+    the gradients in a fresh process and averaged them once another DDP module had run in the
+    process; Interleaved1F1B averaged; a summing communication hook gave neither (a relative error
+    of 0.32). No factor the step could apply is right every time, so the stages must be sharded
+    with FSDP2 (``fully_shard``), whose reduction the schedules drive explicitly.
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    if not isinstance(submod, DistributedDataParallel):
-        return None
-    if schedule in ("GPipe", "1F1B", "ScheduleGPipe", "Schedule1F1B"):
-        return 1.0
-    return float(dist.world_size(submod.process_group))
+    if any(isinstance(m, DistributedDataParallel) for m in submods):
+        raise ConfigError(
+            "a pipeline stage's module is wrapped in DistributedDataParallel: inside torch's pipeline "
+            "schedules its gradient reduction is not a stable average or sum (measured: it depends on "
+            "the schedule and on what ran before in the process), so no exact factor exists. Shard the "
+            "stage modules with FSDP2 (fully_shard over the data dimensions) instead, as torchtitan does."
+        )
 
 
 def _target(micro_batch: Any) -> Any:

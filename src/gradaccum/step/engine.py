@@ -103,6 +103,7 @@ default; a framework whose backward must run its own hooks passes its own (Light
 
 ZERO_COUNT = "the window holds zero valid units on every rank"
 _STATE_KEYS = ("steps_applied", "steps_skipped", "consecutive_skips")
+_NOISE_KEY = "noise"
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,14 +235,12 @@ class WindowEngine:
         backward: Backward | None = None,
         pipeline: bool = False,
         synced: nn.Module | None = None,
-        factor: float | None = None,
     ) -> None:
         """``mesh``/``mesh_dims``: the DeviceMesh the model was parallelized with (see
         :mod:`gradaccum.mesh`); ``pipeline``: a pipeline schedule runs the micro-batches, and
         every stage counts the same window (:class:`gradaccum.pipeline.PipelineAccumulator`);
         ``synced``: the module whose wrapper synchronizes gradients, when ``model`` is not it
-        (a pipeline's stage modules); ``factor``: what the gradient reductions divide by, where
-        the wrapper's settings do not tell (DDP inside a pipeline schedule)."""
+        (a pipeline's stage modules)."""
         if not isinstance(config, AccumConfig):
             raise ConfigError(f"config must be a gradaccum.AccumConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
@@ -291,7 +290,7 @@ class WindowEngine:
                 "in DistributedDataParallel or fully_shard (FSDP2) before building the Accumulator."
             )
         # the W of W/N, and the ranks that hold the same tokens (whose sums count each unit once)
-        self.factor = factor if factor is not None else averaging_factor(self._synced, self.kind, data_ranks)
+        self.factor = averaging_factor(self._synced, self.kind, data_ranks)
         self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
         self._loss_replicas = self.layout.tp if self.layout else 1
         self._policy = check_sync_policy(config, self.kind, self.layout)
@@ -329,15 +328,27 @@ class WindowEngine:
 
     # -- counters -------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, int]:
-        """The counters a resumed run needs: applied and skipped updates, consecutive skips."""
-        return {key: int(getattr(self, key)) for key in _STATE_KEYS}
+    def state_dict(self) -> dict[str, Any]:
+        """The counters a resumed run needs: applied and skipped updates, consecutive skips; with
+        ``noise_scale=True`` also the noise scale's moving averages (``noise``), so the estimate
+        continues across a resume instead of restarting."""
+        state: dict[str, Any] = {key: int(getattr(self, key)) for key in _STATE_KEYS}
+        if self._noise is not None:
+            state[_NOISE_KEY] = self._noise.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s counters, refusing missing, unknown or negative values."""
-        if not isinstance(state, dict) or set(state) != set(_STATE_KEYS):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(f"an accumulator state_dict holds exactly {list(_STATE_KEYS)}, got {got}")
+        """Restore :meth:`state_dict`, refusing missing, unknown or negative values. A state without
+        ``noise`` (an older checkpoint, or a run without the estimate) leaves the estimate empty; a
+        ``noise`` entry is ignored by an accumulator that does not measure it (it never changes the
+        update)."""
+        got = set(state) if isinstance(state, dict) else None
+        if got is None or not set(_STATE_KEYS) <= got <= {*_STATE_KEYS, _NOISE_KEY}:
+            shown = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(
+                f"an accumulator state_dict holds exactly {list(_STATE_KEYS)} (and {_NOISE_KEY!r} with "
+                f"noise_scale=True), got {shown}"
+            )
         for key in _STATE_KEYS:
             value = state[key]
             require_int(f"accumulator state {key}", value, low=0, error=ConfigError)
@@ -346,6 +357,8 @@ class WindowEngine:
                 f"accumulator state has consecutive_skips={state['consecutive_skips']} > "
                 f"steps_skipped={state['steps_skipped']}: not a state a run can reach"
             )
+        if self._noise is not None and _NOISE_KEY in state:
+            self._noise.load_state_dict(state[_NOISE_KEY])  # validates before changing anything
         for key in _STATE_KEYS:
             setattr(self, key, state[key])
 

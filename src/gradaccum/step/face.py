@@ -23,8 +23,9 @@ class EngineFace:
 
     _engine: WindowEngine
 
-    def state_dict(self) -> dict[str, int]:
-        """The counters (applied, skipped, consecutive skips): what a resumed run must continue."""
+    def state_dict(self) -> dict[str, Any]:
+        """The counters (applied, skipped, consecutive skips) and, with ``noise_scale=True``, the
+        noise scale's moving averages: what a resumed run must continue."""
         return self._engine.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -75,6 +75,7 @@ import torch.nn as nn
 
 from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
+from gradaccum.values import require_int
 
 __all__ = ["EMA_BETA", "NoiseScale", "NoiseScaleMeter", "window_estimate"]
 
@@ -284,6 +285,45 @@ class NoiseScaleMeter:
         self._samples += 1
         self._negative += int(trace < 0 or grad_sq < 0)
         self._last = estimate
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The moving averages and tallies (plain floats and ints), so a resumed run continues the
+        estimate instead of restarting it; the hooks and the window in flight are not state."""
+        return {
+            "mean_trace": self._mean_trace,
+            "mean_grad_sq": self._mean_grad_sq,
+            "samples": self._samples,
+            "negative": self._negative,
+            "last": None if self._last is None else [self._last[0], self._last[1]],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`, refusing a state this meter could not have written."""
+        keys = ("mean_trace", "mean_grad_sq", "samples", "negative", "last")
+        if not isinstance(state, dict) or set(state) != set(keys):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"a noise-scale state holds exactly {list(keys)}, got {got}")
+        for key in ("samples", "negative"):
+            require_int(f"noise-scale state {key}", state[key], low=0, error=ConfigError)
+        if state["negative"] > state["samples"]:
+            raise ConfigError(
+                f"noise-scale state has negative={state['negative']} > samples={state['samples']}: "
+                "not a state a run can reach"
+            )
+        last = state["last"]
+        figures = [state["mean_trace"], state["mean_grad_sq"], *(last if isinstance(last, list) else [])]
+        if (last is not None and not (isinstance(last, list) and len(last) == 2)) or not all(
+            isinstance(v, float) and math.isfinite(v) for v in figures
+        ):
+            raise ConfigError(
+                "a noise-scale state's mean_trace, mean_grad_sq and last (None or two figures) must be "
+                f"finite floats, got {state['mean_trace']!r}, {state['mean_grad_sq']!r}, {last!r}"
+            )
+        self._mean_trace, self._mean_grad_sq = state["mean_trace"], state["mean_grad_sq"]
+        self._samples, self._negative = state["samples"], state["negative"]
+        self._last = None if last is None else (last[0], last[1])
 
     def result(self) -> NoiseScale:
         """The estimate so far (frozen)."""

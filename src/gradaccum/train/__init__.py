@@ -12,6 +12,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
+    "BatchChange": "gradaccum.train.batch_schedule",
+    "CriticalBatchConfig": "gradaccum.train.batch_schedule",
+    "CriticalBatchSchedule": "gradaccum.train.batch_schedule",
     "CheckpointError": "gradaccum.train.checkpoint",
     "CheckpointWriteError": "gradaccum.train.checkpoint",
     "ResumePoint": "gradaccum.train.checkpoint",
@@ -50,9 +53,12 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "DEFAULT_WORKLOAD",
     "SKIPPED_POLICY",
+    "BatchChange",
     "CheckpointError",
     "CheckpointRecord",
     "CheckpointWriteError",
+    "CriticalBatchConfig",
+    "CriticalBatchSchedule",
     "DataPosition",
     "EvalRecord",
     "ResolvedSpec",
@@ -84,6 +90,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from gradaccum.train.batch_schedule import BatchChange, CriticalBatchConfig, CriticalBatchSchedule
     from gradaccum.train.checkpoint import (
         CheckpointError,
         CheckpointWriteError,

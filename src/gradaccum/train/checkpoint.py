@@ -277,6 +277,7 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep: int,
     device: torch.device,
+    batch_schedule: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of the current boundary on every rank together; returns its folder.
 
@@ -284,7 +285,8 @@ def save_checkpoint(
     schedule) is stored for the resumed run to compare against. A failure to write on any rank
     (a full disk, a file-size limit) raises :class:`CheckpointWriteError` on every rank, after
     removing the temporary folder; the previous checkpoints are untouched. Afterwards only the
-    newest ``keep`` intact checkpoints remain.
+    newest ``keep`` intact checkpoints remain. ``batch_schedule``: a batch-size schedule's state
+    (the plan stored is the run's starting plan; the schedule's state says where it grew to).
     """
     rank = dist.rank()
     final = checkpoint_dir(run_dir, progress.windows)
@@ -322,6 +324,7 @@ def save_checkpoint(
                     "data_position": progress.position.to_dict(),
                     "plan": {"micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps, "dp": plan.dp},
                     "meta": meta,
+                    "batch_schedule": batch_schedule,
                 }
                 digests[STATE_FILE] = atomic_save(state, tmp / STATE_FILE)
         except (OSError, RuntimeError) as exc:
@@ -453,7 +456,8 @@ def load_checkpoint(
     precision: str,
 ) -> tuple[TrainProgress, dict[str, Any]]:
     """Restore model, optimizer, scaler, the accumulator's counters and this rank's RNG; returns the
-    run's counters and the meta (with ``path`` and ``skipped``, the broken newer checkpoints).
+    run's counters and the meta (with ``path``, ``skipped``, the broken newer checkpoints, and
+    ``batch_schedule``, a batch-size schedule's state or None).
 
     Every file is checked against the manifest before any is read (a :class:`ResumePoint` from
     :func:`resolve_checkpoint` has been). Collective under FSDP2 (every
@@ -505,4 +509,9 @@ def load_checkpoint(
     progress = TrainProgress(**state["progress"])
     accumulator.load_state_dict(state["accumulator"])
     skipped = [f"{p}: {problem}" for p, problem in point.skipped]
-    return progress, {**state["meta"], "path": str(folder), "skipped": skipped}
+    return progress, {
+        **state["meta"],
+        "path": str(folder),
+        "skipped": skipped,
+        "batch_schedule": state.get("batch_schedule"),
+    }

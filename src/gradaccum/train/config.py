@@ -10,6 +10,7 @@ from gradaccum.errors import TrainError
 from gradaccum.names import DEFAULT_WORKLOAD, PRECISIONS, Precision
 from gradaccum.plan import BatchPlan
 from gradaccum.step.config import AccumConfig
+from gradaccum.train.batch_schedule import CriticalBatchConfig
 from gradaccum.train.schedule import ScheduleConfig
 from gradaccum.train.spec import (
     DEFAULT_CHECKPOINT_EVERY,
@@ -95,6 +96,9 @@ class TrainConfig:
     """Held-out examples per evaluation, split across the data-parallel ranks."""
     resume: Path | None = None
     """A checkpoint folder, or a run folder (its latest checkpoint), to continue from."""
+    batch_schedule: CriticalBatchConfig | None = None
+    """Grow the global batch with the measured noise scale (``accum_steps`` rises, ``plan`` is the
+    start); needs ``accum.noise_scale``. ``None``: the plan's batch throughout."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, BatchPlan):
@@ -129,9 +133,21 @@ class TrainConfig:
             )
         if self.fsdp and self.accum.noise_scale:
             raise TrainError(
-                "the noise scale (accum.noise_scale, --noise-scale) is measured under DDP or on one "
-                "process, not under FSDP2 (--fsdp): train without one of them"
+                "the noise scale (accum.noise_scale: --noise-scale, or --batch-schedule critical) is "
+                "measured under DDP or on one process, not under FSDP2 (--fsdp): train without one of them"
             )
+        if self.batch_schedule is not None:
+            if not isinstance(self.batch_schedule, CriticalBatchConfig):
+                raise TrainError(
+                    "batch_schedule must be a CriticalBatchConfig or None, got "
+                    f"{type(self.batch_schedule).__name__}"
+                )
+            if not self.accum.noise_scale:
+                raise TrainError(
+                    "batch_schedule follows the measured noise scale: set accum.noise_scale=True "
+                    "(--batch-schedule critical turns it on)"
+                )
+            self.batch_schedule.check(self.plan)
         if self.precision == "float16" and not self.accum.skip_nonfinite:
             raise TrainError(
                 "precision float16 needs accum.skip_nonfinite=True: an overflowed window must be skipped "

@@ -121,20 +121,27 @@ class ShardedStream:
         self.float_dtype = float_dtype
         self.start, self.stop = shard_bounds(plan, rank)
 
-    def window(self, index: int) -> Window:
-        """Window ``index``: this rank's micro-batches and the global batch's valid count."""
-        full = self.make_batch(self.plan.global_batch, train_seed(self.seed, index))
+    def window(self, index: int, plan: BatchPlan | None = None) -> Window:
+        """Window ``index``: this rank's micro-batches and the global batch's valid count.
+
+        ``plan``: this window's plan when the global batch changes during the run (a batch-size
+        schedule); the stream's own plan otherwise. Window ``index`` is then the first
+        ``plan.global_batch`` examples of its seed, so it depends on the plan as well as the index.
+        """
+        plan = self.plan if plan is None else plan
+        start, stop = (self.start, self.stop) if plan == self.plan else shard_bounds(plan, self.rank)
+        full = self.make_batch(plan.global_batch, train_seed(self.seed, index))
         drawn = batch_size(full)
-        if drawn != self.plan.global_batch:
+        if drawn != plan.global_batch:
             raise TrainError(
-                f"make_batch({self.plan.global_batch}, seed) returned {drawn} examples; the workload "
+                f"make_batch({plan.global_batch}, seed) returned {drawn} examples; the workload "
                 "must return exactly the number of examples asked for"
             )
         global_count = int(torch.as_tensor(self.count_fn(full)))
-        local = self._prepare(take(full, self.start, self.stop))
+        local = self._prepare(take(full, start, stop))
         return Window(
             index=index,
-            micro_batches=split(local, micro_batch=self.plan.micro_batch),
+            micro_batches=split(local, micro_batch=plan.micro_batch),
             global_count=global_count,
         )
 

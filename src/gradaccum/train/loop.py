@@ -2,11 +2,14 @@
 
 Per window (one optimizer boundary):
 
-1. draw window ``w`` of the deterministic stream; every rank knows its global count N;
+1. draw window ``w`` of the deterministic stream, at the batch-size schedule's current plan when
+   there is one; every rank knows its global count N;
 2. set the learning rate from the schedule's clock after this update (steps: applied + 1;
-   tokens: consumed + N), recomputed from the counters, never from a scheduler's own count;
+   tokens: consumed + N), recomputed from the counters, never from a scheduler's own count, times
+   the batch-size schedule's lr rule;
 3. ``Accumulator.step``: the exact update (or a skip on every rank, which advances no clock);
-4. update the counters, report, evaluate if due;
+4. update the counters, report, let the batch-size schedule decide the next window's batch
+   (:mod:`gradaccum.train.batch_schedule`), evaluate if due;
 5. agree across ranks on pending checkpoint/stop requests and on whether the checkpoint interval
    has passed, and checkpoint at this boundary if a request, the periodic cadence (applied updates
    or minutes since the last checkpoint, whichever comes first) or the end of the run calls for it.
@@ -36,6 +39,7 @@ from gradaccum.precision import autocast_loss, make_scaler
 from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
 from gradaccum.step.noise import NoiseScale
+from gradaccum.train.batch_schedule import BatchChange, CriticalBatchSchedule
 from gradaccum.train.build import build_model, build_optimizer
 from gradaccum.train.checkpoint import (
     ResumePoint,
@@ -141,6 +145,8 @@ class TrainResult:
     """The gradient noise scale at the end (``accum.noise_scale``; this segment's windows)."""
     critical_batch: str | None = None
     """Where the global batch stands against B_simple, in words (``accum.noise_scale``)."""
+    batch_schedule: dict[str, Any] | None = None
+    """The batch-size schedule's settings and every change so far (``config.batch_schedule``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -162,6 +168,7 @@ class _Session:
     checkpoint_schedule: dict[str, Any] | None
     tokens_per_step: int
     eval_batches: list[Any]
+    batch: CriticalBatchSchedule | None = None
 
 
 _RUN_FILES = (RUNCARD_FILE, METRICS_FILE)
@@ -257,6 +264,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         )
         resumed_from, checkpoint_schedule = Path(meta["path"]), meta.get("schedule")
         skipped = tuple(meta["skipped"])
+    batch = _batch_schedule(config, None if point is None else meta.get("batch_schedule"), resumed_from)
     tokens_per_step = stream.window(0).global_count
     schedule = resolve_schedule(
         config.schedule, steps=config.steps, tokens=config.tokens, tokens_per_step=tokens_per_step
@@ -277,18 +285,46 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         checkpoint_schedule=checkpoint_schedule if checkpoint_schedule != schedule.to_dict() else None,
         tokens_per_step=tokens_per_step,
         eval_batches=stream.eval_batches(config.eval_examples) if config.eval_every else [],
+        batch=batch,
     )
+
+
+def _batch_schedule(
+    config: TrainConfig, state: dict[str, Any] | None, resumed_from: Path | None
+) -> CriticalBatchSchedule | None:
+    """The run's batch-size schedule, continued from a checkpoint's state; a checkpoint written with
+    a schedule resumed without one (or the reverse) is refused: the windows would change size."""
+    if config.batch_schedule is None:
+        if state is not None:
+            grown = state["accum_steps"] * config.plan.micro_batch * config.plan.dp
+            raise TrainError(
+                f"checkpoint {resumed_from} was written by a run with --batch-schedule critical (its "
+                f"global batch had grown to {grown}); "
+                "resume it with the same --batch-schedule flags, or start a new run"
+            )
+        return None
+    batch = CriticalBatchSchedule(config.batch_schedule, config.plan)
+    if resumed_from is not None:
+        if state is None:
+            raise TrainError(
+                f"checkpoint {resumed_from} was written without --batch-schedule critical; resume it "
+                "without it (a fixed global batch), or start a new run"
+            )
+        batch.load_state_dict(state)
+    return batch
 
 
 def _train_window(s: _Session) -> StepRecord:
     """One optimizer boundary: learning rate from the clock, the exact step, the counters."""
     t0 = time.perf_counter()
     p = s.progress
-    window = s.stream.window(p.windows)
+    plan = s.stream.plan if s.batch is None else s.batch.plan
+    window = s.stream.window(p.windows, plan)
     clock_after = (
         p.steps_applied + 1 if s.schedule.clock == "steps" else p.tokens_consumed + window.global_count
     )
-    lr = apply_lr(s.optimizer, s.schedule.factor(clock_after))
+    lr_scale = 1.0 if s.batch is None else s.batch.lr_scale  # the batch-size schedule's lr rule
+    lr = apply_lr(s.optimizer, s.schedule.factor(clock_after) * lr_scale)
     result = s.acc.step(window.micro_batches, s.loss_fn, s.count_fn)
     if result.global_count != window.global_count:
         raise TrainError(
@@ -314,7 +350,21 @@ def _train_window(s: _Session) -> StepRecord:
         step_time_ms=elapsed * 1e3,
         tokens_per_s=n / elapsed if elapsed > 0 else 0.0,
         b_simple=s.acc.noise_scale.b_simple if s.acc.config.noise_scale else None,
+        global_batch=plan.global_batch,
+        accum_steps=plan.accum_steps,
         recompiles=result.recompiles,
+    )
+
+
+def _grow_batch(s: _Session, record: StepRecord) -> BatchChange | None:
+    """The batch-size schedule's decision after this window (the next window uses it)."""
+    if s.batch is None or record.global_batch is None:
+        return None
+    return s.batch.decide(
+        step=s.progress.steps_applied,
+        window=s.progress.windows,
+        noise=s.acc.noise_scale,
+        units_per_example=record.window_tokens / record.global_batch,
     )
 
 
@@ -396,6 +446,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
                 "resumed_from": str(s.resumed_from) if s.resumed_from is not None else None,
             },
             **({} if noise is None else {"noise_scale": {**noise.to_dict(), "critical_batch": words}}),
+            **({} if s.batch is None else {"batch_schedule": s.batch.to_dict()}),
         },
     )
     write_runcard(card, config.run_dir / RUNCARD_FILE)
@@ -446,6 +497,7 @@ def train(
             skipped_checkpoints=s.skipped_checkpoints,
             checkpoint_schedule=s.checkpoint_schedule,
             run_dir=str(config.run_dir),
+            batch_schedule=None if s.batch is None else s.batch.to_dict(),
         )
     )
     meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}
@@ -480,6 +532,9 @@ def train(
             if record.applied and record.loss is not None:
                 losses.append(record.loss)
             emit(record)
+            change = _grow_batch(s, record)
+            if change is not None:
+                emit(change)
             finished, p = done(), s.progress
             if config.eval_every and (p.windows % config.eval_every == 0 or finished):
                 eval_loss, count = evaluate(s.model, s.eval_batches, s.loss_fn, s.count_fn, device=s.device)
@@ -506,6 +561,7 @@ def train(
                     meta=meta,
                     keep=config.keep_checkpoints,
                     device=s.device,
+                    batch_schedule=None if s.batch is None else s.batch.state_dict(),
                 )
                 last_steps, last_time = p.steps_applied, time.monotonic()
                 checkpoints.append(path)
@@ -537,4 +593,5 @@ def train(
         window_s=window_s,
         noise_scale=noise,
         critical_batch=words,
+        batch_schedule=None if s.batch is None else s.batch.to_dict(),
     )

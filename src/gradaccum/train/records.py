@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import IO, Any, TypeAlias
 
 from gradaccum.atomic import atomic_write_text
+from gradaccum.train.batch_schedule import BatchChange
 
 __all__ = [
     "LOSS_PNG",
     "METRICS_FILE",
+    "BatchChange",
     "CheckpointRecord",
     "EvalRecord",
     "MetricsLog",
@@ -29,6 +31,7 @@ __all__ = [
     "StepRecord",
     "TrainEvent",
     "TrainStart",
+    "loss_figure",
     "plot_loss",
     "read_metrics",
 ]
@@ -64,6 +67,8 @@ class TrainStart:
     a derived horizon); the learning rate follows this run's schedule from the resumed boundary."""
     run_dir: str = ""
     """The run folder."""
+    batch_schedule: dict[str, Any] | None = None
+    """The batch-size schedule's settings and changes so far (``--batch-schedule critical``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,6 +104,10 @@ class StepRecord:
     b_simple: float | None = None
     """The gradient noise scale B_simple after this window, in the workload's units (``--noise-scale``;
     None without it, or before it has an estimate)."""
+    global_batch: int | None = None
+    """Examples in this window's global batch (all ranks); it changes under a batch-size schedule."""
+    accum_steps: int | None = None
+    """Micro-batches per rank in this window."""
     recompiles: int = 0
     """Graphs torch.compile compiled during this window (``StepResult.recompiles``; 0 eager)."""
     kind: str = "step"
@@ -134,7 +143,7 @@ class CheckpointRecord:
     kind: str = "checkpoint"
 
 
-TrainEvent: TypeAlias = TrainStart | StepRecord | EvalRecord | CheckpointRecord
+TrainEvent: TypeAlias = TrainStart | StepRecord | EvalRecord | CheckpointRecord | BatchChange
 
 
 def _clean(value: Any) -> Any:
@@ -161,7 +170,7 @@ class MetricsLog:
             self.path.write_text("", encoding="utf-8")
         self._handle: IO[str] | None = self.path.open("a", encoding="utf-8")
 
-    def write(self, record: StepRecord | EvalRecord | CheckpointRecord) -> None:
+    def write(self, record: StepRecord | EvalRecord | CheckpointRecord | BatchChange) -> None:
         if self._handle is None:
             raise ValueError(f"metrics log {self.path} is closed")
         data = {key: _clean(value) for key, value in asdict(record).items()}
@@ -252,6 +261,18 @@ def plot_loss(metrics_path: Path, png_path: Path) -> Path | None:
     matplotlib is imported here, not at module import, and drawn on an Agg canvas without pyplot,
     so training never needs a display or touches global plotting state.
     """
+    figure = loss_figure(metrics_path)
+    if figure is None:
+        return None
+    png_path = Path(png_path)
+    figure.savefig(png_path)
+    return png_path
+
+
+def loss_figure(metrics_path: Path) -> Any:
+    """The loss curve of a ``metrics.jsonl`` as a matplotlib ``Figure`` (None if nothing to draw):
+    skipped updates as red lines, batch-size changes as dashed green lines before the first window
+    at the new batch."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -269,15 +290,29 @@ def plot_loss(metrics_path: Path, png_path: Path) -> Path | None:
     skipped = [r for r in records if r.get("kind") == "step" and not r.get("applied")]
     for r in skipped:
         axes.axvline(r["window"] + 1, color="red", alpha=0.3, lw=0.8)
+    changes = [r for r in records if r.get("kind") == "batch"]
+    for r in changes:  # the first window at the new batch is window r["window"], drawn at x = window + 1
+        axes.axvline(r["window"] + 0.5, color="green", alpha=0.6, lw=1, ls="--")
+        axes.annotate(
+            f"batch {r['global_batch']}",
+            (r["window"] + 0.5, 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color="green",
+        )
     axes.set_xlabel("optimizer boundary (window)")
     axes.set_ylabel("mean loss per valid unit")
     title = "training loss"
-    if skipped:
-        title += f" ({len(skipped)} skipped updates in red)"
+    notes = [f"{len(skipped)} skipped updates in red"] if skipped else []
+    if changes:
+        notes.append(f"{len(changes)} batch changes dashed green")
+    if notes:
+        title += f" ({'; '.join(notes)})"
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    png_path = Path(png_path)
-    figure.savefig(png_path)
-    return png_path
+    return figure

@@ -19,9 +19,11 @@ from gradaccum.names import DEFAULT_WORKLOAD
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard, read_runcard
 from gradaccum.step.config import AccumConfig
+from gradaccum.train.batch_schedule import CriticalBatchConfig
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.schedule import ScheduleConfig
 from gradaccum.train.spec import (
+    BATCH_FIELDS,
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_LR,
     DEFAULT_MAX_GRAD_NORM,
@@ -71,6 +73,7 @@ _RESOLVED = frozenset(
         "compile",
         "checkpoint_every",
         "checkpoint_minutes",
+        *BATCH_FIELDS,
     }
 )
 _CONFIG_FIELDS = frozenset(f.name for f in fields(TrainConfig))
@@ -125,11 +128,12 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
         dp=world,
     )
     max_norm = _given(spec.max_grad_norm, DEFAULT_MAX_GRAD_NORM)
+    batch = _batch_schedule(spec)
     accum = AccumConfig(
         max_grad_norm=max_norm if max_norm != 0 else None,  # 0 turns clipping off
         track_grad_norm=True,
         max_consecutive_skips=_given(spec.max_consecutive_skips, DEFAULT_MAX_SKIPS),
-        noise_scale=spec.noise_scale,
+        noise_scale=spec.noise_scale or batch is not None,  # the schedule follows the estimate
     )
     fixed = {
         "workload": _given(spec.workload, DEFAULT_WORKLOAD),
@@ -139,9 +143,32 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
         "optimizer": _given(spec.optimizer, DEFAULT_OPTIMIZER),
         "lr": _given(spec.lr, DEFAULT_LR),
         "weight_decay": _given(spec.weight_decay, DEFAULT_WEIGHT_DECAY),
+        "batch_schedule": batch,
         "compile": spec.compile,
     }
     return plan, fixed
+
+
+def _batch_schedule(spec: TrainSpec) -> CriticalBatchConfig | None:
+    """``--batch-schedule critical`` and its settings; unset ones take the config's defaults."""
+    if spec.batch_schedule != "critical" or spec.max_global_batch is None:
+        return None  # TrainSpec refused settings without the schedule and the schedule without a max
+    names = {"batch_growth": "growth", "batch_min_updates": "min_updates", "batch_lr_rule": "lr_rule"}
+    names["batch_fraction"] = "fraction"
+    given = {field: getattr(spec, name) for name, field in names.items() if getattr(spec, name) is not None}
+    return CriticalBatchConfig(max_global_batch=spec.max_global_batch, **given)
+
+
+def _card_batch_schedule(card: RunCard, path: Path) -> CriticalBatchConfig | None:
+    """The batch-size schedule a run card records (``extra.batch_schedule``), or None."""
+    recorded = card.extra.get("batch_schedule")
+    if recorded is None:
+        return None
+    settings = ("max_global_batch", "growth", "min_updates", "lr_rule", "fraction")
+    try:
+        return CriticalBatchConfig(**{name: recorded[name] for name in settings})
+    except (KeyError, TypeError, PlanError) as exc:
+        raise RunCardError(f"run card {path} records a batch schedule that cannot be used: {exc}") from exc
 
 
 def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict[str, Any], tuple[str, ...]]:
@@ -170,13 +197,14 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
             "as recorded (write lr into the card, or run accept again)"
         )
     # track_grad_norm and noise_scale only add figures to the records; they do not change the update
+    batch = _card_batch_schedule(card, path)
+    noise = card.accum.noise_scale or spec.noise_scale or batch is not None
     fixed = {
         "workload": card.workload,
         "precision": card.precision,
         "seed": card.seed,
-        "accum": replace(
-            card.accum, track_grad_norm=True, noise_scale=card.accum.noise_scale or spec.noise_scale
-        ),
+        "accum": replace(card.accum, track_grad_norm=True, noise_scale=noise),
+        "batch_schedule": batch,
         "optimizer": card.optimizer,
         "lr": card.lr if card.lr is not None else DEFAULT_LR,
         "weight_decay": card.weight_decay if card.weight_decay is not None else DEFAULT_WEIGHT_DECAY,
@@ -188,7 +216,7 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
     else:
         optimizer = f"{card.optimizer}, lr {card.lr:g}, weight decay {_word(fixed['weight_decay'])}"
     accum = ", ".join(f"{k} {_word(v)}" for k, v in card.accum.to_dict().items() if k != "track_grad_norm")
-    notes = (
+    notes: tuple[str, ...] = (
         f"from run card {path}: workload {card.workload}; {card.plan.equation()}; precision "
         f"{card.precision}"
         + (" (with a GradScaler)" if card.precision == "float16" else "")
@@ -197,6 +225,12 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         f"from run card: optimizer {optimizer}",
         f"from run card: accumulation {accum}",
     )
+    if batch is not None:
+        notes += (
+            f"from run card: batch schedule critical, up to {batch.max_global_batch:,} examples, growth "
+            f"{batch.growth:g}, {batch.min_updates} updates between changes, lr rule {batch.lr_rule}, "
+            f"fraction {batch.fraction:g} (decided again with these settings)",
+        )
     return card.plan, fixed, notes
 
 
@@ -219,7 +253,19 @@ def _card_value(card: RunCard, name: str) -> str:
         "max_grad_norm": _word(card.accum.max_grad_norm),
         "max_consecutive_skips": _word(card.accum.max_consecutive_skips),
     }
-    return str(values[name])
+    if name in values:
+        return str(values[name])
+    recorded = card.extra.get("batch_schedule")
+    if recorded is None:
+        return "no batch schedule (a fixed global batch)"
+    field = {"batch_schedule": None, "batch_growth": "growth", "batch_min_updates": "min_updates"}
+    field |= {
+        "batch_lr_rule": "lr_rule",
+        "batch_fraction": "fraction",
+        "max_global_batch": "max_global_batch",
+    }
+    key = field[name]
+    return "critical" if key is None else _word(recorded.get(key))
 
 
 def _word(value: Any) -> str:

@@ -29,9 +29,11 @@ from typing import Literal
 
 from gradaccum.errors import PlanError, TrainError
 from gradaccum.names import PRECISIONS, Precision
+from gradaccum.train.batch_schedule import LR_RULES, LrRule
 from gradaccum.values import require_int
 
 __all__ = [
+    "BATCH_FIELDS",
     "CARD_FIELDS",
     "DEFAULT_CHECKPOINT_EVERY",
     "DEFAULT_CHECKPOINT_MINUTES",
@@ -89,6 +91,18 @@ CARD_FIELDS = (
 ``runcard`` they are refused, naming the card's value, never silently ignored; so they default to
 ``None``, "not given"."""
 
+BATCH_FIELDS = (
+    "batch_schedule",
+    "max_global_batch",
+    "batch_growth",
+    "batch_min_updates",
+    "batch_lr_rule",
+    "batch_fraction",
+)
+"""The batch-size schedule's fields (``None``: not given; the defaults are
+:class:`~gradaccum.train.batch_schedule.CriticalBatchConfig`'s). A run card records the schedule, so
+beside ``runcard`` they are refused like :data:`CARD_FIELDS`."""
+
 
 _POSITIVE_OR_UNSET = (
     "global_batch",
@@ -98,6 +112,8 @@ _POSITIVE_OR_UNSET = (
     "max_consecutive_skips",
     "horizon",
     "eval_every",
+    "max_global_batch",
+    "batch_min_updates",
 )
 
 
@@ -158,6 +174,19 @@ class TrainSpec:
     """Evaluate every this many boundaries and at the end; ``None``: never."""
     eval_examples: int = 64
     """Held-out examples per evaluation, split across ranks."""
+    batch_schedule: Literal["fixed", "critical"] | None = None
+    """``critical``: grow the global batch with the measured noise scale
+    (:mod:`gradaccum.train.batch_schedule`); ``None`` or ``fixed``: the plan's batch throughout."""
+    max_global_batch: int | None = None
+    """The schedule's largest global batch, in examples over all ranks (required with ``critical``)."""
+    batch_growth: float | None = None
+    """The largest factor per change; ``None``: 2."""
+    batch_min_updates: int | None = None
+    """Applied updates before the first change and between changes; ``None``: 20."""
+    batch_lr_rule: LrRule | None = None
+    """How the learning rate follows the batch: keep, sqrt or linear; ``None``: sqrt."""
+    batch_fraction: float | None = None
+    """The batch aimed at as a fraction of B_simple; ``None``: 1."""
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_OR_UNSET:
@@ -175,6 +204,23 @@ class TrainSpec:
         for name in ("weight_decay", "max_grad_norm", "checkpoint_minutes"):
             _number(name, getattr(self, name), above=0.0, inclusive=True)
         _number("min_lr_ratio", self.min_lr_ratio, above=0.0, inclusive=True)
+        _choice("batch_schedule", self.batch_schedule, ("fixed", "critical"))
+        _choice("batch_lr_rule", self.batch_lr_rule, LR_RULES)
+        for name in ("batch_growth", "batch_fraction"):
+            _number(name, getattr(self, name), above=0.0)
+        settings = [name for name in BATCH_FIELDS[1:] if getattr(self, name) is not None]
+        if self.batch_schedule != "critical" and settings and self.runcard is None:
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name in settings)
+            raise PlanError(
+                f"{flags} set(s) the batch-size schedule, which is off: add --batch-schedule critical, "
+                "or drop them"
+            )
+        if self.batch_schedule == "critical" and self.max_global_batch is None:
+            raise PlanError(
+                "--batch-schedule critical grows the global batch up to a declared bound: give "
+                "--max-global-batch (examples per optimizer step, all ranks; a multiple of "
+                "--micro-batch x processes)"
+            )
         if self.min_lr_ratio > 1:
             raise TrainError(f"min_lr_ratio must be a fraction from 0 to 1, got {self.min_lr_ratio!r}")
         warmup, horizon = self.warmup, self.horizon
@@ -186,7 +232,8 @@ class TrainSpec:
 
     def given(self) -> tuple[str, ...]:
         """The run-card fields this request sets (each would change what a card fixes)."""
-        return tuple(name for name in CARD_FIELDS if getattr(self, name) is not None)
+        fixed = (*CARD_FIELDS, *BATCH_FIELDS)
+        return tuple(name for name in fixed if getattr(self, name) is not None)
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...], *, none_ok: bool = True) -> None:
