@@ -15,6 +15,7 @@ from gradaccum.bench.measure import measure
 from gradaccum.bench.spec import BenchError, Measurement, MeasureSettings, MeasureSpec
 from gradaccum.bench.sweep import SweepSpec
 from gradaccum.examples import tiny_gpt
+from gradaccum.plan import BatchPlan
 
 GPT = "gradaccum.examples:tiny_gpt"
 
@@ -42,6 +43,12 @@ def test_a_compiled_row_reports_its_compile_time_apart_and_no_recompiles(aot_eag
 
 def test_compiled_and_eager_are_a_sweep_dimension() -> None:
     sweep = SweepSpec(workload=GPT, global_batch=4, compile=(False, True))
+    one = (BatchPlan(micro_batch=1, accum_steps=2, dp=2),)
+    fsdp = SweepSpec(workload=GPT, global_batch=4, dp=2, plans=one, sharding=("fsdp2",), compile=(True,))
+    assert [s.row_label for s in fsdp.measure_specs()] == [
+        "1x2x2 fsdp2 compiled",
+        "1x2x2 fsdp2 no-defer compiled",
+    ]
     labels = [s.row_label for s in sweep.measure_specs()]
     assert labels == ["4x1", "4x1 compiled", "2x2", "2x2 compiled", "1x4", "1x4 compiled"]
     assert sweep.to_dict()["compile"] == [False, True]
@@ -49,5 +56,3 @@ def test_compiled_and_eager_are_a_sweep_dimension() -> None:
     assert accept_settings.measure_spec(GPT, sweep.measure_specs()[0].plan).compile
     with pytest.raises(BenchError, match="compile must list"):
         SweepSpec(workload=GPT, global_batch=4, compile=())
-    with pytest.raises(BenchError, match="compiled FSDP2 rows are not measured"):
-        MeasureSpec(workload=GPT, micro_batch=2, accum_steps=2, dp=2, fsdp=True, compile=True)

@@ -66,8 +66,8 @@ def test_a_run_card_without_compile_reads_as_eager_and_a_wrong_value_is_refused(
     assert RunCard.from_dict(data).compile is False
     with pytest.raises(RunCardError, match="'compile' must be true or false"):
         RunCard.from_dict({**data, "compile": "yes"})
-    with pytest.raises(TrainError, match="compile with FSDP2"):
-        config(Path("unused"), dp=2, global_batch=8, fsdp=True, compile=True)
+    with pytest.raises(TrainError, match="compile must be True or False"):
+        config(Path("unused"), compile="yes")
 
 
 def test_train_runcard_that_says_compile_compiles_and_prints_the_windows_that_did(

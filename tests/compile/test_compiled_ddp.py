@@ -1,5 +1,6 @@
 """DDP with a compiled model on two gloo processes, both ways round: ``DDP(torch.compile(m))`` and
-``torch.compile(DDP(m))`` (an ``OptimizedModule`` holding the DDP, refused before issue 23).
+``torch.compile(DDP(m))`` (an ``OptimizedModule`` holding the DDP, refused before issue 23); and
+FSDP2 with each block compiled after ``fully_shard`` (torchtitan's way, ``wrap_model(compile=True)``).
 
 Each update must cost what the eager step costs: one gradient all-reduce (the tiny GPT fits one
 DDP bucket; counted by a comm hook) and the step's two small all-reduces (counted by
@@ -79,3 +80,26 @@ def test_compiled_ddp_syncs_once_per_update_and_is_exact(order: str) -> None:
             assert window["error"] < 1e-12, window
         assert rank[0]["recompiles"] >= 1  # the first window compiled
     assert [w["loss"] for w in ranks[0]] == pytest.approx([w["loss"] for w in ranks[1]], rel=1e-12)
+
+
+def _fsdp2_compiled(rank: int, world: int) -> list[dict[str, Any]]:
+    from gradaccum.distributed.wrap import wrap_model
+
+    torch.compiler.set_default_backend("aot_eager")  # this process only: no C++ build
+    model = wrap_model(models.gpt(), torch.device("cpu"), fsdp=True, compile=True)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    out = []
+    for seed in (21, 22):
+        local = rank_slice(models.gpt_batch(8, seed=seed), BOUNDS, rank)
+        # FSDP2 gathers in every forward: equal micro-batch counts on both ranks
+        result = acc.step(split(local, sizes={0: [3, 2], 1: [2, 1]}[rank]), models.gpt_loss, models.tokens)
+        got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        want = full_batch_grads(models.gpt(), models.gpt_batch(8, seed=seed), models.gpt_loss, models.tokens)
+        out.append({"error": max_rel_err(got, want), "recompiles": result.recompiles})
+    return out
+
+
+def test_fsdp2_with_each_block_compiled_after_sharding_is_exact() -> None:
+    for rank in values(run_ranks(_fsdp2_compiled, timeout_s=300)):
+        assert all(w["error"] < 1e-12 for w in rank), rank
+        assert rank[0]["recompiles"] >= 1 and rank[1]["recompiles"] == 0, rank  # same shapes

@@ -147,9 +147,9 @@ class _Arm:
         if spec.checkpointing != "none":
             self.probe = RecomputeProbe()
             apply_checkpointing(checkpoint_blocks(workload, base), self.probe)
-        if spec.compile:
-            base.compile()  # in place, before DDP: DDP(compile(m)), parameter names unchanged
-        self.model: nn.Module = wrap_model(base, device, fsdp=spec.fsdp, bucket_cap_mb=spec.bucket_cap_mb)
+        self.model: nn.Module = wrap_model(
+            base, device, fsdp=spec.fsdp, bucket_cap_mb=spec.bucket_cap_mb, compile=spec.compile
+        )
         self.counter: CommCounter | None = None
         if isinstance(self.model, DistributedDataParallel):
             self.counter = count_allreduces(self.model)

@@ -100,8 +100,8 @@ class SweepSpec:
                 )
 
     def measure_specs(self) -> list[MeasureSpec]:
-        """Every row: each plan (largest micro-batch first) x sharding x checkpointing x compile
-        (not with FSDP2), and for FSDP2 rows sync deferral on and off."""
+        """Every row: each plan (largest micro-batch first) x sharding x checkpointing x compile,
+        and for FSDP2 rows sync deferral on and off."""
         plans = self.plans if self.plans else tuple(factorizations(self.global_batch, dp=self.dp))
         specs = []
         for plan in plans:
@@ -111,8 +111,6 @@ class SweepSpec:
                 for mode in self.checkpointing:
                     for defer in (True, False) if fsdp else (self.settings.defer_sync,):
                         for compiled in self.compile:
-                            if compiled and fsdp:
-                                continue  # not measured (MeasureSpec.compile says why)
                             specs.append(
                                 dataclasses.replace(
                                     base, checkpointing=mode, fsdp=fsdp, defer_sync=defer, compile=compiled

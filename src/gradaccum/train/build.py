@@ -21,10 +21,8 @@ def build_model(workload: Workload, config: TrainConfig, device: torch.device) -
     if config.precision == "float64":
         model = model.to(torch.float64)
     model = model.to(device)
-    if config.compile:
-        model.compile()  # in place: DDP(compile(m)), and checkpoints keep the parameter names
     try:
-        return wrap_model(model, device, fsdp=config.fsdp)
+        return wrap_model(model, device, fsdp=config.fsdp, compile=config.compile)
     except SyncError as exc:
         raise TrainError(f"--fsdp: {exc}") from exc
 

@@ -79,8 +79,10 @@ class TrainConfig:
     fsdp: bool = False
     """Shard with FSDP2 ``fully_shard`` instead of replicating with DDP (multi-process runs)."""
     compile: bool = False
-    """Compile the model in place (``nn.Module.compile()``, torch's default backend) before DDP
-    wraps it; each window's ``StepResult.recompiles`` then says when a window compiled."""
+    """Compile in place (``nn.Module.compile()``, torch's default backend): the model before DDP
+    wraps it, or under FSDP2 each block after ``fully_shard`` (see
+    :func:`gradaccum.distributed.wrap.wrap_model`); ``StepResult.recompiles`` says when a window
+    compiled."""
     checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY
     """Checkpoint once this many optimizer updates were applied since the last checkpoint; ``None``:
     not by count. Whichever of this and ``checkpoint_minutes`` comes first triggers; checkpoints are
@@ -126,11 +128,6 @@ class TrainConfig:
             raise TrainError(f"weight_decay must be a non-negative number, got {self.weight_decay!r}")
         if not isinstance(self.compile, bool):
             raise TrainError(f"compile must be True or False, got {self.compile!r}")
-        if self.fsdp and self.compile:
-            raise TrainError(
-                "compile with FSDP2 (--fsdp) is not supported by train yet (torchtitan compiles each "
-                "block after fully_shard); train compiled under DDP or on one process, or without compile"
-            )
         if self.fsdp and self.accum.noise_scale:
             raise TrainError(
                 "the noise scale (accum.noise_scale: --noise-scale, or --batch-schedule critical) is "
