@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,6 +25,18 @@ class MeanHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x).sum(dim=0) / len(x)
+
+
+class ScaledAttention(nn.Module):
+    """Divisions by the model's own sizes (not the batch's): nothing to name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = 4
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+        return scores / float(self.head_dim) ** 0.5 / q.shape[-1]
 
 
 def per_micro_batch_mean(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -66,3 +80,14 @@ def test_a_compiled_block_is_named_by_its_path_and_the_whole_model_through_torch
 def test_the_bundled_compiled_gpt_with_its_summed_loss_has_no_finding() -> None:
     findings = scan(torch.compile(models.gpt()), 4, loss_fn=torch.compile(models.gpt_loss))
     assert COMPILED_DENOMINATOR not in _codes(findings)
+
+
+def test_divisions_by_the_models_own_sizes_are_not_named() -> None:
+    assert COMPILED_DENOMINATOR not in _codes(scan(torch.compile(ScaledAttention()), 4))
+
+    class RowMean(ScaledAttention):
+        def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            return (q @ k.transpose(-2, -1)).sum() / q.shape[0] + q.sum() / int(k.ne(0).sum())
+
+    found = [f for f in scan(torch.compile(RowMean()), 4) if f.code == COMPILED_DENOMINATOR]
+    assert len(found) == 2 and "q.shape[0]" in found[0].explanation and "int(" in found[1].explanation

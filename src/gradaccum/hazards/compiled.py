@@ -3,7 +3,8 @@
 Inside a region ``torch.compile`` captures (a compiled model's ``forward``, a compiled block, a
 compiled loss function), a Python number is not data: dynamo bakes it into the graph as a constant
 and guards on its value. A loss that divides by a number computed from the batch there (``/
-len(batch)``, ``/ mask.sum().item()``, ``/ labels.numel()``, ``/ int(n)``) therefore
+len(batch)``, ``/ mask.sum().item()``, ``/ labels.numel()``, ``/ x.size(0)``,
+``/ int(mask.sum())``) therefore
 
 * takes a graph break (``.item()``) or a recompile for each new denominator; past
   ``torch._dynamo.config.recompile_limit`` (8) distinct values dynamo silently runs the region
@@ -14,7 +15,8 @@ len(batch)``, ``/ mask.sum().item()``, ``/ labels.numel()``, ``/ int(n)``) there
 
 gradaccum's own step never does this: it multiplies by W/N as a 0-dim tensor outside the model
 (:mod:`gradaccum.step.compiled`). The rule reads the source of each compiled callable it finds
-(``inspect.getsource``, parsed with :mod:`ast`); what it cannot read (a builtin, a lambda in a
+(``inspect.getsource``, parsed with :mod:`ast`); divisions by the model's own sizes (``x.size(-1)``,
+``float(self.head_dim)``) are not batch-derived and are left alone; what it cannot read (a builtin, a lambda in a
 notebook) it leaves unjudged, and ``verify`` stays the empirical check.
 """
 
@@ -36,10 +38,11 @@ __all__ = ["COMPILED_DENOMINATOR", "compiled_findings", "compiled_regions"]
 COMPILED_DENOMINATOR = "compiled-python-denominator"
 """The rule's code in a :class:`~gradaccum.hazards.scanner.Finding`."""
 
-_NUMBER_CALLS = ("len", "int", "float")
-"""Builtins that turn a batch or a tensor into a Python number."""
-_NUMBER_METHODS = ("item", "numel", "tolist", "size", "nelement", "count_nonzero")
-"""Tensor methods whose result is (or becomes, in a denominator) a Python number of the batch."""
+_COUNT_METHODS = ("item", "tolist", "numel", "nelement")
+"""Tensor methods that give a Python number (a count, or a value read to the host)."""
+_BATCH_DIM = 0
+"""``x.size(0)``, ``x.shape[0]``: the batch dimension (other dimensions are the model's own sizes,
+such as the head dimension an attention divides by, and are left alone)."""
 
 
 def _is_compiled_module(module: nn.Module) -> bool:
@@ -86,15 +89,31 @@ def compiled_regions(
     return regions
 
 
+def _is_zero(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value == _BATCH_DIM
+
+
 def _number_call(node: ast.AST) -> str | None:
-    """The source of the first call in ``node`` that yields a Python number, or None."""
+    """The source of the first batch-derived Python number in ``node``, or None: ``len(...)``,
+    ``.item()``, ``.tolist()``, ``.numel()``, ``x.size(0)``/``x.size()``, ``x.shape[0]``, and
+    ``int(...)``/``float(...)`` of a call (``int(mask.sum())``; not of an attribute such as
+    ``float(self.head_dim)``)."""
     for sub in ast.walk(node):
+        if isinstance(sub, ast.Subscript):
+            value = sub.value
+            if isinstance(value, ast.Attribute) and value.attr == "shape" and _is_zero(sub.slice):
+                return ast.unparse(sub)
         if not isinstance(sub, ast.Call):
             continue
         fn = sub.func
-        if isinstance(fn, ast.Name) and fn.id in _NUMBER_CALLS:
+        if isinstance(fn, ast.Name) and fn.id == "len":
             return ast.unparse(sub)
-        if isinstance(fn, ast.Attribute) and fn.attr in _NUMBER_METHODS:
+        calls_inside = any(isinstance(inner, ast.Call) for arg in sub.args for inner in ast.walk(arg))
+        if isinstance(fn, ast.Name) and fn.id in ("int", "float") and calls_inside:
+            return ast.unparse(sub)
+        if isinstance(fn, ast.Attribute) and fn.attr in _COUNT_METHODS:
+            return ast.unparse(sub)
+        if isinstance(fn, ast.Attribute) and fn.attr == "size" and (not sub.args or _is_zero(sub.args[0])):
             return ast.unparse(sub)
     return None
 
