@@ -15,9 +15,9 @@ len(batch)``, ``/ mask.sum().item()``, ``/ labels.numel()``, ``/ x.size(0)``,
 
 gradaccum's own step never does this: it multiplies by W/N as a 0-dim tensor outside the model
 (:mod:`gradaccum.step.compiled`). The rule reads the source of each compiled callable it finds
-(``inspect.getsource``, parsed with :mod:`ast`); divisions by the model's own sizes (``x.size(-1)``,
-``float(self.head_dim)``) are not batch-derived and are left alone; what it cannot read (a builtin, a lambda in a
-notebook) it leaves unjudged, and ``verify`` stays the empirical check.
+(``inspect.getsource``, parsed with :mod:`ast`); divisions by the model's own sizes
+(``x.size(-1)``, ``float(self.head_dim)``) are not batch-derived and are left alone; what it cannot
+read (a builtin, a lambda in a notebook) it leaves unjudged, and ``verify`` stays the empirical check.
 """
 
 from __future__ import annotations
