@@ -5,8 +5,9 @@ their reports, and the errors worth catching. Each is imported on first use, so 
 gradaccum`` costs nothing and never pulls in the measurement (``gradaccum.bench``), the training
 front end (``gradaccum.train``), ``torch.distributed.checkpoint``, matplotlib or rich. Everything
 else lives in its feature's folder: ``gradaccum.step``, ``gradaccum.cache``, ``gradaccum.check``,
-``gradaccum.hazards``, ``gradaccum.distributed``, ``gradaccum.bench``, ``gradaccum.train``;
-every exception class is in ``gradaccum.errors``.
+``gradaccum.hazards``, ``gradaccum.distributed``, ``gradaccum.bench``, ``gradaccum.train``,
+``gradaccum.rl`` (policy and preference losses, reachable without an import); every exception
+class is in ``gradaccum.errors``.
 """
 
 from __future__ import annotations
@@ -142,7 +143,14 @@ if TYPE_CHECKING:
     from gradaccum.workloads.base import Workload
 
 
+_SUBPACKAGES = ("rl",)
+"""Feature folders reachable as ``gradaccum.<name>`` without an import (``gradaccum.rl.PolicyLoss``);
+each is itself lazy."""
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"gradaccum.{name}")  # the import binds it as an attribute
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")

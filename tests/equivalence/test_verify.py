@@ -256,3 +256,40 @@ def test_verify_leaves_the_global_generator_alone() -> None:
     before = torch.get_rng_state()
     verify_workload(bn_cnn())
     assert torch.equal(before, torch.get_rng_state())
+
+
+def _divided_by(extra: str) -> Any:
+    """The exact loop with one more division: by k (TRL #5619, ms-swift #10117), by the count
+    once more, or by another window's count (TRL #6024: a generation batch's average)."""
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[Any]) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        n = sum(models.tokens(mb) for mb in micro)
+        again = {"k": len(micro), "count": n, "other": 0.7}[extra]
+        for mb in micro:
+            (models.gpt_loss(model, mb) / n / again).backward()
+        optimizer.step()
+
+    step.__qualname__ = f"divided_by_{extra}"
+    return step
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ("k", "1/k with k = 4 micro-batches: the loss is divided by the accumulation steps once too often"),
+        ("count", "counted units: the loss is divided by the count twice"),
+        ("other", "divided by the wrong denominator, 0.7 x the window's count"),
+    ],
+)
+def test_a_uniform_factor_is_named_with_its_measured_value(extra: str, named: str) -> None:
+    batch = models.gpt_batch(8, seed=3)
+    report = verify(
+        models.gpt, batch, models.gpt_loss, models.tokens, micro_batch=2, candidate_step=_divided_by(extra)
+    )
+    assert not report.passed
+    (cause,) = report.likely_causes
+    assert cause.startswith("the accumulated gradient is ") and " x the full-batch gradient" in cause, cause
+    assert named in cause, cause
+    if extra == "k":
+        assert cause.startswith("the accumulated gradient is 0.25 x"), cause

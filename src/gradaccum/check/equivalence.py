@@ -29,7 +29,7 @@ import torch.nn as nn
 from gradaccum.batch import Batch, batch_size, cast, split, split_sizes
 from gradaccum.check.audit import CountAudit, audit_count
 from gradaccum.check.controls import randomness_off
-from gradaccum.check.probes import callable_name, likely_causes, probe_causes
+from gradaccum.check.probes import callable_name, factor_cause, likely_causes, probe_causes
 from gradaccum.check.report import EquivalenceReport, ParamRow
 from gradaccum.check.runs import (
     CandidateStep,
@@ -161,6 +161,7 @@ def verify(
                 findings,
                 candidate_step,
                 probe_causes(build, data, micro, loss_fn, count_fn, counts, ref, names, grad_tol, seed),
+                factor_cause(ref, cand, counts),
             )
     return EquivalenceReport(
         passed=passed,

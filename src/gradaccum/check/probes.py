@@ -18,10 +18,22 @@ from gradaccum.check.workload import sgd
 from gradaccum.hazards.scanner import Finding
 from gradaccum.step.accumulator import CountFn, LossFn
 
-__all__ = ["CAUSES_PER_RULE", "finding_causes", "likely_causes", "probe_causes"]
+__all__ = [
+    "CAUSES_PER_RULE",
+    "FACTOR_RTOL",
+    "factor_cause",
+    "finding_causes",
+    "likely_causes",
+    "probe_causes",
+]
 
 CAUSES_PER_RULE = 3
 """Findings of one rule listed by name among the likely causes before the rest are counted."""
+
+FACTOR_RTOL = 1e-6
+"""How close the accumulated gradient must be to c x the full-batch gradient for a uniform factor
+to be named: float64 runs agree to ~1e-15, float32 to ~1e-7, and a weighting error that is not a
+single scalar (a mean of means over uneven micro-batches) leaves a residual of 1e-3 or more."""
 
 
 def _sizes_note(finding: Finding) -> str:
@@ -130,13 +142,66 @@ def _mean_signature(whole: float, parts: list[float], counts: list[int]) -> str 
     )
 
 
+def factor_cause(ref: Run, cand: Run, counts: list[int]) -> str | None:
+    """When the accumulated gradient is the full-batch gradient times one scalar c (to
+    ``FACTOR_RTOL``), the cause with the measured c: a division by k or by the count once too
+    often (TRL #5619, ms-swift #10117), a missing one, or another window's count (TRL #6024)."""
+    names = [n for n in ref.grads if n in cand.grads]
+    if not names:
+        return None
+    ref_sq = sum(float((ref.grads[n].double() ** 2).sum()) for n in names)
+    if ref_sq == 0.0:
+        return None
+    dot = sum(float((ref.grads[n].double() * cand.grads[n].double()).sum()) for n in names)
+    c = dot / ref_sq
+    residual = math.sqrt(
+        sum(float(((cand.grads[n].double() - c * ref.grads[n].double()) ** 2).sum()) for n in names)
+    )
+    if (
+        not math.isfinite(c)
+        or c == 0.0
+        or abs(c - 1.0) <= FACTOR_RTOL
+        or residual > FACTOR_RTOL * abs(c) * math.sqrt(ref_sq)
+    ):
+        return None
+    k, n = len(counts), sum(counts)
+    head = f"the accumulated gradient is {c:.6g} x the full-batch gradient (uniform to {FACTOR_RTOL:g})"
+    named = {
+        1.0 / k: f"1/k with k = {k} micro-batches: the loss is divided by the accumulation steps once too "
+        "often (already normalized by the window's count or num_items_in_batch, then divided by k "
+        "again); divide by the window's count once",
+        float(k): f"k = {k}: the window's summed loss is not divided by the accumulation steps (or a mean "
+        "is multiplied by k)",
+    }
+    if n > 0:
+        named[1.0 / n] = (
+            f"1/N with N = {n} counted units: the loss is divided by the count twice (loss_fn returns a "
+            "mean and the step divides by the window's count again); return the sum"
+        )
+        if len(set(counts)) == 1 and counts[0] > 0:
+            named[1.0 / counts[0]] = (
+                f"1/n with n = {counts[0]} units per micro-batch: each micro-batch's loss is divided by its "
+                "own count and then by the window's: divide by the window's count once"
+            )
+    for value, text in named.items():
+        if abs(c - value) <= FACTOR_RTOL * abs(value):
+            return f"{head}: {text}"
+    return (
+        f"{head}: the update is divided by the wrong denominator, {1 / c:.6g} x the window's count (another "
+        "window's count, e.g. a generation batch's average over its updates, or a count of other units); "
+        "divide by this window's own count of the units the loss sums"
+    )
+
+
 def likely_causes(
     cand: Run,
     findings: tuple[Finding, ...],
     candidate_step: CandidateStep | None,
     probed: tuple[list[str], bool],
+    factor: str | None = None,
 ) -> list[str]:
-    """Most specific first: a skipped step, probe results, scan findings, then the candidate step."""
+    """Most specific first: a skipped step, probe results, a uniform factor, scan findings, then the
+    candidate step."""
     probe_causes, additive = probed
     causes = []
     if cand.skip_reason is not None:
@@ -144,8 +209,10 @@ def likely_causes(
     from_scan = finding_causes(findings)
     # a non-additive loss is the symptom the scan's findings explain; keep the probe's line otherwise
     causes.extend(c for c in probe_causes if not (from_scan and c.startswith("loss_fn is not additive")))
+    if factor is not None:
+        causes.append(factor)
     causes.extend(from_scan)
-    if candidate_step is not None and additive and not from_scan:
+    if candidate_step is not None and additive and not from_scan and factor is None:
         causes.append(
             f"the candidate step ({callable_name(candidate_step)}) does not reproduce the full-batch "
             "gradient although the loss adds up over the micro-batches: it weights them wrongly (a "

@@ -335,9 +335,9 @@ class ExactTrainer(Trainer):
         examples = list(examples)
         if not examples:
             raise ConfigError("verify_accumulation needs at least one example; the training set has none")
-        batch = loader.collate_fn(examples)
+        batch = self._verification_layout(loader.collate_fn(examples))
         sizes = [m] * (len(examples) // m) + ([len(examples) % m] if len(examples) % m else [])
-        initial = copy.deepcopy(self.accelerator.unwrap_model(self.model))
+        initial = self._verification_copy()
         for module in initial.modules():
             if isinstance(module, _DROPOUTS):
                 module.p = 0.0  # training_step calls model.train(), which would switch eval() back
@@ -347,12 +347,14 @@ class ExactTrainer(Trainer):
 
         def loss_fn(model: nn.Module, micro_batch: Any) -> torch.Tensor:
             # the loss this trainer means on one batch, summed over its counted units
+            micro_batch = self._training_layout(micro_batch)
             n = float(self.count(micro_batch))
             items = torch.tensor(max(n, 1.0), dtype=torch.float64, device=device)
             loss = self.compute_loss(model, dict(micro_batch), num_items_in_batch=items)
             return (loss[0] if isinstance(loss, tuple) else loss) * items
 
         def trainer_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[Any]) -> None:
+            micro = [self._training_layout(mb) for mb in micro]
             self.loss_form = None
             self._window = self._count_window(micro, device, model, 1)  # this process alone
             optimizer.zero_grad(set_to_none=True)
@@ -366,7 +368,7 @@ class ExactTrainer(Trainer):
                 lambda: copy.deepcopy(initial),
                 to_device(batch, device),
                 loss_fn,
-                self.count,
+                self._layout_count,
                 sizes=sizes,
                 optimizer_factory=optimizer_factory,
                 device=device,
@@ -385,6 +387,22 @@ class ExactTrainer(Trainer):
         return dataclasses.replace(
             report, likely_causes=(*_form_causes(self, form, report), *report.likely_causes)
         )
+
+    def _verification_layout(self, batch: Any) -> Any:
+        """The collated check batch in a layout whose tensors share dim 0 (examples), so that it
+        splits into micro-batches; a subclass whose collator stacks rows otherwise maps it here."""
+        return batch
+
+    def _training_layout(self, micro_batch: Any) -> Any:
+        """The inverse of :meth:`_verification_layout`, for one micro-batch of the check."""
+        return micro_batch
+
+    def _layout_count(self, micro_batch: Any) -> int | torch.Tensor:
+        return self.count(self._training_layout(micro_batch))
+
+    def _verification_copy(self) -> nn.Module:
+        """The model ``verify_accumulation`` builds its copies from (a subclass may wrap it)."""
+        return copy.deepcopy(self.accelerator.unwrap_model(self.model))
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's ``train``; with ``ExactConfig(verify_at_start=True)`` the check runs first."""
