@@ -33,9 +33,11 @@ def test_a_compiled_row_reports_its_compile_time_apart_and_no_recompiles(aot_eag
     spec = MeasureSpec(workload=GPT, micro_batch=2, accum_steps=2, steps=3, warmup=2, seed=1, compile=True)
     m = measure(tiny_gpt(), spec)
     assert m.spec.compile and m.spec.row_label == "2x2 compiled"
-    # compiling the tiny GPT takes seconds; one measured update takes milliseconds
-    assert m.compile_s is not None and m.compile_s > 10 * m.step_ms_median / 1e3
-    assert m.recompiles == 0  # the warm-up compiled every shape the measured updates use
+    # the first warm-up update compiled (seconds of tracing beyond a measured update; no ratio is
+    # asserted: timings belong to benchmarks), and the measured updates compiled nothing, so the
+    # throughput holds no compile time
+    assert m.compile_s is not None and m.compile_s > 0
+    assert m.recompiles == 0
     assert Measurement.from_dict(m.to_dict()) == m
     eager = measure(tiny_gpt(), MeasureSpec(workload=GPT, micro_batch=2, accum_steps=2, steps=2, warmup=1))
     assert eager.compile_s is None and eager.recompiles == 0
