@@ -26,6 +26,7 @@ CONFIG_FIELDS = {
     "row_label", "checkpointing", "sharding", "defer_sync", "allgather_calls_per_update",
     "allgather_bytes_per_update", "reduce_scatter_calls_per_update", "reduce_scatter_bytes_per_update",
     "reduce_scatter_bytes_per_sync", "comm_bytes_per_update",
+    "compile", "compile_s", "recompiles",  # issue 23: eager or compiled rows
 }  # fmt: skip
 
 
