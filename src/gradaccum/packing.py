@@ -109,8 +109,10 @@ class Packed:
         layout = "packed" if self.position_ids is not None else "padded"
         cut = f", {self.split_documents} split" if self.split_documents else ""
         cut += f", {self.truncated_tokens} tokens truncated" if self.truncated_tokens else ""
+        docs = f"{self.documents} document{'' if self.documents == 1 else 's'}"
+        rows = f"{self.rows} row{'' if self.rows == 1 else 's'}"
         return (
-            f"{self.documents} documents {layout} into {self.rows} rows of {self.seq_len} tokens: "
+            f"{docs} {layout} into {rows} of {self.seq_len} tokens: "
             f"{self.tokens} tokens, {self.targets} targets, {self.padding_tokens} padding "
             f"({self.padding_fraction:.1%}){cut}"
         )
@@ -180,7 +182,12 @@ def pieces(documents: Iterable[Sequence[int] | torch.Tensor], seq_len: int, over
             split += 1
             out.extend(ids[start : start + seq_len] for start in range(0, len(ids), seq_len))
     if not out:
-        raise PlanError(f"none of the {source} documents holds a token: nothing to put into rows")
+        what = (
+            "the one document holds no token"
+            if source == 1
+            else f"none of the {source} documents holds a token"
+        )
+        raise PlanError(f"{what}: nothing to put into rows")
     return _Pieces(out, source, empty, split, truncated)
 
 

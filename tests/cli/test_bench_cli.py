@@ -26,6 +26,8 @@ CONFIG_FIELDS = {
     "row_label", "checkpointing", "sharding", "defer_sync", "allgather_calls_per_update",
     "allgather_bytes_per_update", "reduce_scatter_calls_per_update", "reduce_scatter_bytes_per_update",
     "reduce_scatter_bytes_per_sync", "comm_bytes_per_update",
+    # issue 25: the step's phases that add up
+    "count_ms", "other_ms", "phase_means_ms",
     "compile", "compile_s", "recompiles",  # issue 23: eager or compiled rows
 }  # fmt: skip
 
@@ -60,6 +62,8 @@ def test_bench_sweeps_every_factorization_with_every_figure(
         assert c["status"] == "ok" and c["global_batch"] == 2 and c["fresh_process"]
         assert c["tokens_per_update"] == want  # exact, and the same in every configuration
         assert c["units_per_s"]["median"] > 0 and c["step_ms"]["median"] > 0
+        count_ms, micro, optim, other, step = c["phase_means_ms"]
+        assert count_ms + micro + optim + other == pytest.approx(step, rel=1e-9)
         assert c["micro_ms"] > 0 and c["optimizer_ms"] > 0 and c["sync_ms"] is None
         # a fresh process with torch and a tiny model: well above 10 MiB, far below 4 GiB
         assert 10 * 1024**2 < c["peak_rss_bytes"] < 4 * 1024**3

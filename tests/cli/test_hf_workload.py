@@ -215,7 +215,7 @@ BAD = {
     "--text-field",
     "wrong suffix": "ends in '.csv'; --data reads .txt",
     "too long": "--seq-len 100 is longer than the model's max_position_embeddings=64",
-    "data without hf": "--data describe the data of an hf: workload, but the workload is "
+    "data without hf": "--data describes the data of an hf: workload, but the workload is "
     "gradaccum.examples:tiny_gpt",
 }
 
@@ -245,3 +245,57 @@ def test_the_spec_round_trips_any_path() -> None:
     assert HFSpec.parse("hf:/m") == HFSpec(model_dir="/m")
     with pytest.raises(WorkloadError, match=r"unknown setting\(s\) \['seqlen'\]"):
         HFSpec.parse("hf:/m?seqlen=3")
+
+
+def test_held_out_rows_are_never_trained_on_and_the_split_is_said(files: dict) -> None:
+    spec = HFSpec(model_dir=str(files["config_only"]), data=str(files["txt"]), seq_len=32)
+    workload = load_workload(spec.to_spec())
+    assert "22 rows to train on, 2 held out for evaluation" in workload.description
+    assert (workload.extras["train_rows"], workload.extras["held_out_rows"]) == (22, 2)
+    rows = {tuple(r) for r in workload.extras["layout"].batch["input_ids"].tolist()}
+    trained = {tuple(r) for s in range(40) for r in workload.make_batch(8, s)["input_ids"].tolist()}
+    held = {tuple(r) for s in range(40) for r in workload.make_batch.held_out(8, s)["input_ids"].tolist()}
+    assert len(trained) == 22 and len(held) == 2 and not trained & held and trained | held == rows
+
+
+def test_a_file_too_small_to_split_refuses_evaluation(
+    files: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # packed, the 24 documents fill 7 rows: too few to hold any out
+    args = ["train", "--workload", f"hf:{files['config_only']}", "--data", str(files["txt"]), *SEQ, "--pack"]
+    run = ["--steps", "2", "--global-batch", "4", "--micro-batch", "2", "--eval-every", "1"]
+    code, out, err = _run(capsys, *args, *run, "--run-dir", str(tmp_path / "run"))
+    assert code == 2, out + err
+    assert "holds 7 rows, too few to hold any out for evaluation" in err and "Traceback" not in err
+
+
+def test_a_micro_batch_larger_than_the_file_is_refused(
+    files: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", "--workload", f"hf:{files['config_only']}", "--data", str(files["txt"]), *SEQ]
+    run = ["--steps", "2", "--global-batch", "64", "--micro-batch", "64"]
+    code, out, err = _run(capsys, *args, *run, "--run-dir", str(tmp_path / "run"))
+    assert code == 2, out + err
+    assert "a batch of 64 examples from docs.txt, which holds 22 rows to train on, repeats rows" in err
+    assert "Ask for at most 22 examples per window" in err
+
+
+def test_verify_on_a_one_document_file_says_the_check_is_weak_and_why(
+    files: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    one = hf.write_txt(files["root"] / "one.txt", ["alpha beta gamma delta"])
+    args = ["verify", "--workload", f"hf:{files['config_only']}", "--data", str(one), *SEQ]
+    code, out, _ = _run(capsys, *args, "--trace-steps", "0")
+    assert code == 0, out
+    assert "weak check: every micro-batch counts the same number of tokens" in out
+    assert "which holds 1 row to train on, repeats rows (about 8.0 times each)" in out
+    assert "verdict: PASS (a weak check: see above)" in out
+
+
+def test_a_field_of_the_wrong_type_is_named_with_its_article(tmp_path: Path) -> None:
+    from gradaccum.workloads.data import read_documents
+
+    bad = tmp_path / "ints.jsonl"
+    bad.write_text('{"text": 3}\n', encoding="utf-8")
+    with pytest.raises(WorkloadError, match="field 'text' holds an int, not text"):
+        read_documents(str(bad), text_field="text")

@@ -307,7 +307,7 @@ HOSTILE: list[tuple[list[str], str]] = [
     (["verify", "--sizes", "a,b"], "--sizes takes comma-separated positive integers"),
     (["verify", "--trace-steps", "999"], "--trace-steps 999 is longer than"),
     (["verify", "--device", "banana"], "--device 'banana' is not a device"),
-    (["verify", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["verify", "--dtype", "int8"], "argument --check-precision/--dtype: invalid choice: 'int8'"),
     (
         ["verify", "--cached"],
         "cannot run through a gradient cache: its extras lack encode_fn and rep_loss_fn",

@@ -145,3 +145,11 @@ def test_unknown_device_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "verify", "--device", "floppy")
     assert code == 2 and out == ""
     assert "--device 'floppy' is not a device" in err
+
+
+def test_precision_is_the_one_name_and_the_old_names_are_aliases(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["verify", "--sizes", "2,6", "--trace-steps", "1"]
+    code, out, _ = _run(capsys, *args, "--precision", "float64", "--check-precision", "float32")
+    assert code == 0 and "one update in float32" in out and "optimizer steps in float64" in out
+    code, old, _ = _run(capsys, *args, "--trace-dtype", "float64", "--dtype", "float32")
+    assert code == 0 and "one update in float32" in old and "optimizer steps in float64" in old

@@ -128,6 +128,22 @@ def test_every_bundled_workload_is_on_the_workloads_page() -> None:
         assert f"gradaccum.examples:{name}" in text
 
 
+def test_links_in_the_repository_lead_to_a_file_or_say_the_page_is_generated() -> None:
+    generated = {"quickstart.md", "reference.md"} | {f"commands/{c}.md" for c in _subcommands()}
+    docs = DOCS.resolve()
+    for page in [*DOCS.glob("*.md"), ROOT / "README.md"]:
+        if page.parent == DOCS and page.name in generated:
+            continue
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#:]+\.md)(?:#[^)]*)?\)", text):
+            path = (page.parent / target).resolve()
+            name = path.relative_to(docs).as_posix() if path.is_relative_to(docs) else None
+            if name in generated:
+                assert "generate" in text, f"{page.name} links to the generated {target} without saying so"
+            else:
+                assert path.is_file(), f"{page.name} links to {target}, which does not exist"
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_the_mesh_example_runs_exactly_on_four_processes() -> None:

@@ -187,3 +187,17 @@ def test_accelerates_mixed_precision_stays_in_the_forward() -> None:
     batch = common.collate(common.sequences(K * M))
     want = common.sgd_reference(model, batch, common.causal_mean_loss)
     assert common.update_error(out["params"], want, start) < 3e-2
+
+
+def test_an_accelerated_scheduler_given_to_the_accumulator_is_refused_naming_prepare_accumulator() -> None:
+    from accelerate.scheduler import AcceleratedScheduler
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = torch.optim.lr_scheduler.LambdaLR(optimizer, _decay)
+    wrapped = AcceleratedScheduler(plain, optimizer, step_with_optimizer=True, split_batches=False)
+    with pytest.raises(ConfigError, match="prepare_accumulator") as refused:
+        gradaccum.Accumulator(model, optimizer, scheduler=wrapped)
+    assert "AcceleratedScheduler (wrapping LambdaLR)" in str(refused.value)
+    assert "scheduler=scheduler.scheduler" in str(refused.value)
+    assert gradaccum.Accumulator(model, optimizer, scheduler=plain).scheduler is plain

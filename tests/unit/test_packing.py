@@ -106,7 +106,7 @@ def test_overflow_truncate_and_error() -> None:
         ([[1, -3]], 8, "negative token id"),
         ([[1.5]], 8, "token ids are integers"),
         ([[True, 2]], 8, "not booleans"),
-        ([[]], 8, "none of the 1 documents holds a token"),
+        ([[]], 8, "the one document holds no token"),
         ([torch.ones(2, 2, dtype=torch.long)], 8, "a 1-D integer tensor"),
     ],
 )

@@ -188,3 +188,54 @@ def test_scan_leaves_the_model_alone() -> None:
 def test_bad_plan_is_refused(accum_steps: object, micro_batch: object) -> None:
     with pytest.raises(PlanError, match="must be a positive integer"):
         scan(nn.Linear(2, 2), accum_steps, micro_batch=micro_batch)  # type: ignore[arg-type]
+
+
+class _Config:
+    def __init__(self, **values: object) -> None:
+        self.__dict__.update(values)
+
+
+class MoEModel(nn.Module):
+    """Like transformers' Mixtral: the model holds the coefficient, its config the switch."""
+
+    def __init__(self, output_router_logits: bool, capacity_factor: float | None = None) -> None:
+        super().__init__()
+        self.config = _Config(output_router_logits=output_router_logits, capacity_factor=capacity_factor)
+        self.router_aux_loss_coef = 0.02
+        self.block = SparseMoEBlock()
+
+
+def test_a_router_whose_balancing_loss_is_off_is_a_note_not_an_error() -> None:
+    (off,) = _by_code(scan(MoEModel(False), 4), "moe-router")
+    assert off.severity == "info" and not off.breaks_equivalence
+    assert "output_router_logits=False" in off.explanation and "exact" in off.explanation
+    (on,) = _by_code(scan(MoEModel(True), 4), "moe-router")
+    assert on.severity == "error"
+    # an expert capacity drops tokens per forward: still an error with the loss off
+    (capped,) = _by_code(scan(MoEModel(False, capacity_factor=1.25), 4), "moe-router")
+    assert capped.severity == "error"
+
+
+def test_transformers_mixtral_with_its_default_config_is_a_note() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+    )  # fmt: skip
+    assert config.output_router_logits is False  # the default: no balancing loss in the forward
+    (found,) = _by_code(scan(transformers.MixtralForCausalLM(config), 4), "moe-router")
+    assert found.severity == "info"
+    config.output_router_logits = True
+    (found,) = _by_code(scan(transformers.MixtralForCausalLM(config), 4), "moe-router")
+    assert found.severity == "error"
+
+
+def test_seven_dropouts_are_one_finding_with_their_places(capsys: pytest.CaptureFixture[str]) -> None:
+    from gradaccum.cli.common import render_findings
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)) for _ in range(7)])
+    render_findings(scan(model, 4))
+    out = capsys.readouterr().out
+    assert out.count("random-layer") == 1 and out.count("draws random numbers") == 1
+    assert "Dropout at `0.1`, `1.1`, `2.1`, `3.1`, `4.1`, `5.1` and `6.1`" in out
+    assert "(p -> 0, restored afterwards)" in out

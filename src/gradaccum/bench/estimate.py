@@ -3,17 +3,21 @@
 A plan of a million examples per micro-batch should be refused in a second, naming the figures,
 not after building a million-example batch and failing to allocate 8 GB with a message that blames
 ``loss_fn``. The probe builds the model once, runs one example forward and backward with
-saved-tensor hooks and one optimizer step, and scales:
+saved-tensor hooks and one optimizer step, then one forward of two examples, and scales:
 
     data      = bytes of one example (``make_batch(1, seed)``) x examples materialized at once
-    training  = persistent (parameters, gradients, optimizer state) + activations of one example
-                x micro_batch
+    training  = persistent (parameters, gradients, optimizer state) + fixed activations
+                + activations per example x micro_batch
     check     = what ``verify`` needs in float64: two models and the whole global batch in one
-                forward (its reference), i.e. 2 x persistent64 + activations64 x global_batch
+                forward (its reference), i.e. 2 x persistent64 + activations64 of the global batch
 
-Activations are taken as proportional to the examples per forward, which holds for the per-example
-work of most models; kernels' working memory and the allocator's slack come on top, so the estimate
-is a floor: what it refuses cannot fit, what it admits may still run out of memory.
+The activations per example are what the second example adds (the two-example forward's saved
+bytes minus the one-example forward's), and the rest of the one-example figure is fixed: buffers
+saved for backward that do not grow with the batch, such as a causal mask, are counted once, not
+once per example. Activations are assumed to grow linearly with the examples per forward, which
+holds for the per-example work of most models but is not proven for every model; kernels' working
+memory and the allocator's slack come on top. So this is an estimate, not a bound: a plan is
+refused only when the estimate exceeds the free memory, and a plan it admits may still run out.
 """
 
 from __future__ import annotations
@@ -60,7 +64,10 @@ class Probe:
     persistent_bytes: int
     """Parameters + gradients + optimizer state, at the probe's dtype."""
     activation_bytes_per_example: int
-    """Bytes one example's forward saves for backward."""
+    """Bytes each example adds to what a forward saves for backward (two examples minus one)."""
+    fixed_activation_bytes: int = 0
+    """Saved bytes that do not grow with the examples per forward (e.g. a causal mask): the
+    one-example figure minus the per-example one."""
     data_bytes_per_example: int
     """Bytes of one example as ``make_batch`` returns it."""
     dtype_bytes: int
@@ -114,9 +121,17 @@ def probe(workload: Workload, *, precision: str = "float32", device: torch.devic
         optimizer.step()  # materializes the optimizer's state
         persistent = sum(persistent_bytes(model, optimizer))
         optimizer.zero_grad(set_to_none=True)
+        # a second example: what grows with the batch, apart from what does not (a causal mask)
+        del loss
+        with saved_bytes(model) as saved_two:
+            two = workload.loss_fn(model, cast(workload.make_batch(2, 0), dtype, where))
+        del two
+        optimizer.zero_grad(set_to_none=True)
+    per_example = max(0, saved_two.bytes - saved.bytes)
     return Probe(
         persistent_bytes=persistent,
-        activation_bytes_per_example=saved.bytes,
+        activation_bytes_per_example=per_example,
+        fixed_activation_bytes=max(0, saved.bytes - per_example),
         data_bytes_per_example=data,
         dtype_bytes=torch.finfo(dtype).bits // 8,
     )
@@ -129,11 +144,14 @@ def estimate(figures: Probe, plan: BatchPlan, *, check: bool = False) -> PlanEst
     if check:
         check_bytes = int(
             2 * figures.persistent_bytes * widen
-            + figures.activation_bytes_per_example * widen * plan.global_batch
+            + (figures.fixed_activation_bytes + figures.activation_bytes_per_example * plan.global_batch)
+            * widen
         )
     return PlanEstimate(
         plan=plan,
         data_bytes=figures.data_bytes_per_example * plan.global_batch,
-        training_bytes=figures.persistent_bytes + figures.activation_bytes_per_example * plan.micro_batch,
+        training_bytes=figures.persistent_bytes
+        + figures.fixed_activation_bytes
+        + figures.activation_bytes_per_example * plan.micro_batch,
         check_bytes=check_bytes,
     )

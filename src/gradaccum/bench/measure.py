@@ -117,6 +117,8 @@ class _Update:
     reserved: int
     gathers: tuple[int, int] | None = None
     """FSDP2: (all-gather calls, bytes) of this update."""
+    other_ms: float = 0.0
+    """What the timed phases leave of the step: step - count - micro-batches - optimizer."""
     scatters: tuple[int, int] | None = None
     """FSDP2: (reduce-scatter calls, bytes) of this update."""
 
@@ -264,6 +266,7 @@ class _Arm:
             counting, micro, optimizing = clock.phases(k)
             out.append(
                 _Update(
+                    other_ms=step_ms - (counting or 0.0) - sum(micro) - (optimizing or 0.0),
                     step_ms=step_ms,
                     count_ms=counting,
                     micro_ms=micro,
@@ -300,6 +303,15 @@ class _Arm:
             "sync_ms": _median(sync_ms) if sync_ms else None,
             "count_ms": _median([up.count_ms for up in updates if up.count_ms is not None]),
             "optimizer_ms": _median([up.optimizer_ms for up in updates if up.optimizer_ms is not None]),
+            "other_ms": _median([up.other_ms for up in updates]),
+            # totals over the updates, which add up: step = count + micro-batches + optimizer + other
+            "totals": (
+                sum(up.count_ms or 0.0 for up in updates),
+                sum(sum(up.micro_ms) for up in updates),
+                sum(up.optimizer_ms or 0.0 for up in updates),
+                sum(up.other_ms for up in updates),
+                sum(up.step_ms for up in updates),
+            ),
             "peak_rss": peak_rss_bytes(),
             "peak_alloc": max((up.allocated for up in updates), default=0),
             "peak_reserved": max((up.reserved for up in updates), default=0),
@@ -335,6 +347,8 @@ class _Arm:
             sync_ms=slowest("sync_ms"),
             count_ms=float(slowest("count_ms") or 0.0),
             optimizer_ms=float(slowest("optimizer_ms") or 0.0),
+            other_ms=slowest("other_ms"),
+            phase_totals_ms=tuple(max(everyone, key=lambda r: r["totals"][4])["totals"]),
             tokens_per_update=tokens,
             examples_per_update=self.spec.plan.global_batch,
             units_per_s=sum(tokens) / total_s if total_s > 0 else float("inf"),

@@ -66,6 +66,27 @@ class MemoryModel:
     """Configurations fitted."""
     kind: str
     """Which figures were fitted."""
+    distinct: int = 0
+    """Distinct micro-batches among the points: 1 gives a line through the origin, 2 a line through
+    both points (exact by construction), only 3 or more a residual that says how well a line fits."""
+
+    @property
+    def fit_words(self) -> str:
+        """How the line was found and what its residual can say, in words."""
+        if self.distinct <= 1:
+            return (
+                f"one micro-batch measured ({self.points} configuration(s) of {self.kind}): activations "
+                "taken as proportional to it, a line through the origin, not a fit"
+            )
+        if self.distinct == 2:
+            return (
+                f"a line through two measured micro-batches ({self.kind}): exact at both by construction, "
+                "so there is no residual to judge it by; measure a third to test it"
+            )
+        return (
+            f"least squares over {self.points} configurations ({self.distinct} micro-batches) of "
+            f"{self.kind}; rms residual {_fmt(self.residual_bytes)}"
+        )
 
     def predict(self, micro_batch: int) -> float:
         return self.persistent_bytes + self.fixed_bytes + self.per_example_bytes * micro_batch
@@ -162,6 +183,7 @@ def fit_memory_model(
         residual_bytes=rms,
         points=n,
         kind=kind,
+        distinct=len(set(xs)),
     )
 
 

@@ -63,26 +63,35 @@ def _throughput(ax: Any, configs: Sequence[ConfigSummary]) -> None:
 
 
 def _memory_bars(ax: Any, labels: list[str], configs: Sequence[ConfigSummary], budget: int | None) -> None:
-    """Stacked persistent + activation bars from zero, each segment's value written on it."""
-    persistent = [(c.memory.persistent_bytes if c.memory else 0) / MIB for c in configs]
-    activation = [(c.memory.activation_bytes if c.memory else 0) / MIB for c in configs]
+    """Stacked persistent + activation bars from zero, each segment's value written on it; a
+    configuration whose memory was not measured (its probe failed) gets no bar, only the words."""
     xs = list(range(len(configs)))
-    ax.bar(xs, persistent, color="tab:blue", label="persistent: parameters + gradients + optimizer state")
+    measured = [(x, c.memory) for x, c in zip(xs, configs, strict=True) if c.memory is not None]
+    mx = [x for x, _ in measured]
+    persistent = [m.persistent_bytes / MIB for _, m in measured]
+    activation = [m.activation_bytes / MIB for _, m in measured]
+    ax.bar(mx, persistent, color="tab:blue", label="persistent: parameters + gradients + optimizer state")
     ax.bar(
-        xs,
+        mx,
         activation,
         bottom=persistent,
         color="tab:orange",
         label="activations: saved for backward (+ recomputed block), one micro-batch",
     )
     top = max([p + a for p, a in zip(persistent, activation, strict=True)] + [0.0])
-    for x, p, a in zip(xs, persistent, activation, strict=True):
+    for x, p, a in zip(mx, persistent, activation, strict=True):
         ax.text(x, p / 2, f"{p:.2f}", ha="center", va="center", fontsize="small")
         ax.text(x, p + a / 2, f"{a:.2f}", ha="center", va="center", fontsize="small")
-    cuda = [c for c in configs if c.memory is not None and c.memory.max_allocated_bytes is not None]
+    for x, c in zip(xs, configs, strict=True):
+        if c.memory is None:
+            why = c.status if not c.ok else "probe failed"
+            ax.text(
+                x, 0, f"not measured\n({why})", ha="center", va="bottom", fontsize="small", color="tab:red"
+            )
+    cuda = [(x, m.max_allocated_bytes) for x, m in measured if m.max_allocated_bytes is not None]
     if cuda:
-        ys = [(c.memory.max_allocated_bytes or 0) / MIB for c in configs if c.memory is not None]
-        ax.plot(xs[: len(ys)], ys, "k_", markersize=30, label="CUDA max_memory_allocated per update")
+        ys = [b / MIB for _, b in cuda]
+        ax.plot([x for x, _ in cuda], ys, "k_", markersize=30, label="CUDA max_memory_allocated per update")
         top = max([top, *ys])
     if budget is not None:
         ax.axhline(budget / MIB, color="tab:red", linestyle=":", label="budget")
@@ -134,7 +143,10 @@ def plot_accept(result: AcceptResult, folder: str | Path) -> list[Path]:
         x += len(gains)
     if v.throughput_gain is not None:
         ax.axhline(
-            100 * v.throughput_gain, color="black", linestyle="--", label=f"median {v.throughput_gain:+.1%}"
+            100 * v.throughput_gain,
+            color="black",
+            linestyle="--",
+            label=f"gain {v.throughput_gain:+.1%} (centre of the interval)",
         )
     if v.interval is not None:
         ax.axhspan(100 * v.interval[0], 100 * v.interval[1], color="grey", alpha=0.2, label="95% interval")

@@ -280,7 +280,7 @@ def quality_reasons(workload: Workload, plans: Iterable[BatchPlan]) -> tuple[str
         k = plan.accum_steps * plan.dp
         found = scan(model, k, micro_batch=plan.micro_batch, declared_hazards=workload.declared_hazards)
         for f in found:
-            if f.code in QUALITY_CODES:
+            if f.code in QUALITY_CODES and f.severity != "info":  # a note: nothing differs
                 paths = grouped.setdefault((f.code, f.kind, f.summary), [])
                 if f.path not in paths:
                     paths.append(f.path)

@@ -21,6 +21,7 @@ __all__ = [
     "fsdp2_rows",
     "memory_predictions",
     "memory_rows",
+    "phase_lines",
     "quality_lines",
     "quality_table",
     "sweep_markdown",
@@ -61,9 +62,11 @@ def time_rows(configs: Sequence[ConfigSummary]) -> Table:
         f"{unit}/s",
         "min..max (spread)",
         "step ms",
+        "count ms",
         "micro ms",
         "sync ms",
         "optim ms",
+        "other ms",
         "skipped",
     ]
     rows = []
@@ -76,13 +79,37 @@ def time_rows(configs: Sequence[ConfigSummary]) -> Table:
                 "-" if u is None else f"{u.median:,.0f}",
                 "-" if u is None else f"{u.low:,.0f}..{u.high:,.0f} ({u.relative:.0%})",
                 "-" if c.step_ms is None else f"{c.step_ms.median:.2f}",
+                _ms(c.count_ms),
                 _ms(c.micro_ms),
                 _ms(c.sync_ms),
                 _ms(c.optimizer_ms),
+                _ms(c.other_ms),
                 f"{c.skipped_updates}/{c.updates}",
             ]
         )
     return headers, rows
+
+
+def phase_lines(configs: Sequence[ConfigSummary]) -> list[str]:
+    """Where a step's time goes, as means per update that add up, with what is not broken down."""
+    lines = [
+        "Where a step goes, mean ms per update over every run (means add up; the table's medians need "
+        "not): count: counting the window's units (and agreeing on them across ranks); micro-batches: "
+        "their forwards and backwards (the synchronizing one included); optimizer: the agreement, host "
+        "reads, clipping and the step; other: the rest, not broken down (the window's checks before the "
+        "count, moving each micro-batch to the device, the result after the step)."
+    ]
+    for c in configs:
+        means = c.phase_means_ms
+        if means is None:
+            continue
+        count_ms, micro, optim, other, step = means
+        k = c.spec.accum_steps
+        lines.append(
+            f"- {c.spec.row_label}: count {count_ms:.2f} + micro-batches {micro:.2f} ({k} x {micro / k:.2f}) "
+            f"+ optimizer {optim:.2f} + other {other:.2f} = step {step:.2f} ms"
+        )
+    return lines
 
 
 def memory_predictions(result: SweepResult) -> list[float | None]:
@@ -230,8 +257,7 @@ def memory_lines(model: MemoryModel | None, note: str | None, advice: str | None
         return [f"No memory model: {note}."]
     lines = [
         f"peak ~ {fmt_bytes(model.persistent_bytes)} persistent + {fmt_bytes(model.fixed_bytes)} + "
-        f"{fmt_bytes(model.per_example_bytes)} x micro_batch of activations (least squares over "
-        f"{model.points} configuration(s) of {model.kind}; rms residual {fmt_bytes(model.residual_bytes)}). "
+        f"{fmt_bytes(model.per_example_bytes)} x micro_batch of activations ({model.fit_words}). "
         "Accumulation shrinks only the activation term; the persistent term is the same for every "
         "factorization.",
     ]
@@ -265,6 +291,8 @@ def sweep_markdown(result: SweepResult) -> str:
         + "; CUDA reserved is the caching allocator's pool",
         "",
         _markdown_table(time_rows(result.configs)),
+        "",
+        *phase_lines(result.configs),
         "",
         _markdown_table(memory_rows(result.configs, predictions)),
         "",
@@ -390,14 +418,21 @@ def verdict_lines(result: AcceptResult) -> list[str]:
     chosen = result.card.plan
     lines = [f"{v.decision}: the run card records {chosen.label()} ({chosen.equation()})."]
     if v.interval is not None and v.throughput_gain is not None:
+        runs = len(v.run_ratios)
+        what = (
+            f"the geometric mean of {runs} runs' median paired ratios, the centre of its interval"
+            if runs > 1
+            else "one run's median paired ratio"
+        )
         lines.append(
-            f"The median gain is {v.throughput_gain:+.1%} with a 95% interval of [{v.interval[0]:+.1%}, "
+            f"The gain (candidate over baseline {result.baseline.unit}/s; {what}) is "
+            f"{v.throughput_gain:+.1%} with a 95% interval of [{v.interval[0]:+.1%}, "
             f"{v.interval[1]:+.1%}] against a margin of {spec.margin:.1%}."
         )
     if v.inconclusive:
         more = (
-            f" About {v.runs_to_resolve} runs (--runs {v.runs_to_resolve}) would resolve it if the spread "
-            "stays as measured."
+            f" {v.runs_to_resolve} runs (--runs {v.runs_to_resolve}) would resolve it if the gain and the "
+            "runs' spread stay as measured (the same interval, computed at that many runs)."
             if v.runs_to_resolve is not None
             else ""
         )
@@ -522,9 +557,11 @@ def accept_markdown(result: AcceptResult) -> str:
         f"{settings.warmup} warm-up updates of each, the two alternate in blocks of {spec.block_updates} "
         f"updates (baseline, candidate; candidate, baseline; ...), {spec.blocks} blocks each. A block pair's "
         "ratio (candidate over baseline throughput on the same examples) is taken from adjacent blocks, "
-        "so drift in the machine's speed lands on both sides of it. The gain is the median ratio; its 95% "
-        "interval takes the runs as the independent replicates (a Student-t interval of the runs' median "
-        "ratios, wide with three runs), since pairs within one process are not independent.",
+        "so drift in the machine's speed lands on both sides of it. Each run gives its median ratio. "
+        "The runs are the independent replicates (pairs within one process are not): the 95% interval "
+        "is a Student-t interval of the runs' median log-ratios (wide with three runs), and the gain is "
+        "its centre, the geometric mean of the runs' median ratios. The table's per-arm throughputs are "
+        "medians over runs of each arm alone, shown for scale; their ratio is not the paired estimate.",
         "",
         "Memory: a short run of each configuration in a fresh process. Persistent bytes (parameters, "
         "gradients, optimizer state) and activation bytes (what one micro-batch's forward saves for "
@@ -532,6 +569,8 @@ def accept_markdown(result: AcceptResult) -> str:
         "them. The process's peak RSS is mostly the Python and torch runtime.",
         "",
         _markdown_table(time_rows([result.baseline, result.candidate])),
+        "",
+        *phase_lines([result.baseline, result.candidate]),
         "",
         _markdown_table(memory_rows([result.baseline, result.candidate])),
         "",

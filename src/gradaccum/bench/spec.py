@@ -286,6 +286,13 @@ class Measurement:
     """FSDP2: gradient bytes reduce-scattered per update on one rank (unsharded, padded)."""
     reduce_scatter_bytes_per_sync: int | None = None
     """FSDP2: bytes one synchronizing backward reduce-scatters (the padded gradient set, FSDP2's G)."""
+    other_ms: float | None = None
+    """Median over updates of what the timed phases leave of the step (step - count - every
+    micro-batch - optimizer): the window's checks before the count, moving each micro-batch to the
+    device between micro-batches, and the result after the optimizer; not broken down further."""
+    phase_totals_ms: tuple[float, ...] | None = None
+    """(count, micro-batches, optimizer, other, step) summed over the measured updates on the rank
+    with the longest steps: totals add up where medians do not (step = the other four)."""
     compile_s: float | None = None
     """Compiled rows: the first warm-up update's time minus the median measured update (what
     compiling cost, slowest rank); ``None`` for eager rows."""

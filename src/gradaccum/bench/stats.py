@@ -68,7 +68,7 @@ class ConfigSummary:
     sync_ms: float | None
     """Median exposed synchronization time of the final backward (data-parallel only)."""
     optimizer_ms: float | None
-    """Median optimizer phase time."""
+    """Median optimizer phase time (the agreement, the host reads, unscale, clip and step)."""
     tokens_per_update: list[int]
     """Exact valid units of each measured update (identical in every run: same data)."""
     tokens_identical_across_runs: bool
@@ -107,6 +107,13 @@ class ConfigSummary:
     """FSDP2: gradient bytes reduce-scattered per update per rank."""
     reduce_scatter_bytes_per_sync: int | None = None
     """FSDP2: bytes one synchronizing backward reduce-scatters (the padded gradient set)."""
+    count_ms: float | None = None
+    """Median time counting the window (and agreeing on N across ranks) before the first forward."""
+    other_ms: float | None = None
+    """Median over updates of the step time the timed phases leave (see ``Measurement.other_ms``)."""
+    phase_means_ms: tuple[float, ...] | None = None
+    """(count, micro-batches, optimizer, other, step): means per update over every run's updates.
+    Means add up (step = the other four), where the table's medians need not."""
     compile_s: float | None = None
     """Compiled rows: median over runs of what compiling cost (see ``Measurement.compile_s``)."""
     recompiles: int = 0
@@ -134,7 +141,9 @@ class ConfigSummary:
 
     @property
     def peak_memory_bytes(self) -> float | None:
-        """The figure the memory model fits: CUDA allocated when present, else CPU peak RSS."""
+        """The process-level peak shown beside the memory model, never fitted by it: CUDA max allocated
+        when present, else the CPU peak RSS. The model fits the bytes counted from the tensors
+        (``memory``: persistent and activation bytes, :func:`gradaccum.bench.models.memory_model_of`)."""
         return self.peak_allocated_bytes if self.peak_allocated_bytes is not None else self.peak_rss_bytes
 
     @property
@@ -169,6 +178,9 @@ class ConfigSummary:
             "micro_ms": self.micro_ms,
             "sync_ms": self.sync_ms,
             "optimizer_ms": self.optimizer_ms,
+            "count_ms": self.count_ms,
+            "other_ms": self.other_ms,
+            "phase_means_ms": None if self.phase_means_ms is None else list(self.phase_means_ms),
             "tokens_per_update": self.tokens_per_update,
             "tokens_identical_across_runs": self.tokens_identical_across_runs,
             "updates": self.updates,
@@ -247,6 +259,17 @@ def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
         reduce_scatter_calls_per_update=first.reduce_scatter_calls_per_update if first else None,
         reduce_scatter_bytes_per_update=first.reduce_scatter_bytes_per_update if first else None,
         reduce_scatter_bytes_per_sync=first.reduce_scatter_bytes_per_sync if first else None,
+        count_ms=_median_of([m.count_ms for m in done]),
+        other_ms=_median_of([m.other_ms for m in done]),
+        phase_means_ms=_phase_means(done),
         compile_s=_median_of([m.compile_s for m in done]),
         recompiles=sum(m.recompiles for m in done),
     )
+
+
+def _phase_means(done: Sequence[Measurement]) -> tuple[float, ...] | None:
+    totals = [m.phase_totals_ms for m in done]
+    updates = sum(m.updates for m in done)
+    if not done or updates == 0 or any(t is None for t in totals):
+        return None
+    return tuple(sum(t[i] for t in totals if t is not None) / updates for i in range(5))

@@ -9,22 +9,25 @@ margin against noise: a 95 % confidence interval of the gain must lie above zero
 The gain and its interval come from *paired* figures when there are any: each paired run holds
 both configurations in one process and alternates them in blocks, so a pair's ratio (candidate
 throughput over baseline throughput in adjacent blocks) is free of the drift that moves whole
-runs apart. The gain is the median ratio over all pairs. Its interval treats the *runs* as the
+runs apart. Each run gives one figure, the median of its pairs' ratios. The *runs* are the
 independent replicates (pairs within a run share a process, its memory layout and its neighbours'
-load, so they are not independent): a Student-t interval of the runs' median log-ratios, which is
-wide with three runs (t = 4.30) and narrows as runs are added. A percentile bootstrap over pairs,
-tried first, gave A/A comparisons adopted by chance on a loaded machine: with three runs it cannot
-reach beyond the observed range. With one run only (no replicate) the interval falls back to a
-bootstrap over that run's pairs.
+load, so they are not independent): the interval is a Student-t interval of the runs' median
+log-ratios, wide with three runs (t = 4.30) and narrowing as runs are added, and the gain is its
+centre, exp(mean of the runs' median log-ratios) - 1, the geometric mean of the runs' median ratios.
+One estimator, so the printed gain, its interval, ``runs_to_resolve`` and ``results.json`` never
+disagree. A percentile bootstrap over pairs, tried first, gave A/A comparisons adopted by chance on
+a loaded machine: with three runs it cannot reach beyond the observed range. With one run only (no
+replicate) the gain is that run's median ratio and the interval a bootstrap of it over the pairs.
 
-- ADOPT: every criterion passes (the median gain is at least the margin and the interval's low
-  end is above zero).
+- ADOPT: every criterion passes (the gain is at least the margin and the interval's low end is
+  above zero).
 - KEEP BASELINE: an arithmetic or accounting criterion fails (tokens, updates, equivalence,
   traces, skips), or the interval lies entirely below the margin: the candidate is confidently
   not worth it.
 - INCONCLUSIVE: the arithmetic passes but the interval straddles the decision (it reaches both
-  below zero and the margin, or the median gain is below the margin while the interval reaches
-  it). The verdict says how many runs would resolve it if the spread stays as measured.
+  below zero and the margin, or the gain is below the margin while the interval reaches it). The
+  verdict says how many runs would resolve it if the runs' spread stays as measured, computed by
+  the interval's own arithmetic at each larger number of runs.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ MIN_RUNS = 3
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 MAX_RUNS_SUGGESTED = 1000
+ESTIMATOR = (
+    "gain = exp(mean over runs of log(run's median paired ratio)) - 1, the centre of a Student-t "
+    "interval of those log-ratios (one run: its median ratio - 1, bootstrap interval)"
+)
+"""What ``throughput_gain`` and ``interval`` are, in words (written to results.json)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,13 +141,18 @@ class Verdict:
     margin: float
     """The declared throughput margin (0.03 = 3 %)."""
     throughput_gain: float | None
-    """The median gain: median paired ratio - 1 (or median(candidate) / median(baseline) - 1)."""
+    """The gain, the centre of ``interval`` on its log scale: exp(mean over runs of log(run's median
+    paired ratio)) - 1 (one run: its median ratio - 1; no pairs: run r's candidate over baseline
+    throughput in place of a run's median ratio)."""
     decision: str = KEEP
     """``ADOPT``, ``KEEP BASELINE`` or ``INCONCLUSIVE``."""
     interval: tuple[float, float] | None = None
     """The 95 % confidence interval of the gain (low, high), when it could be computed."""
     runs_to_resolve: int | None = None
-    """For INCONCLUSIVE: about how many runs would make the interval decide, if the spread stays."""
+    """For INCONCLUSIVE: the fewest runs whose interval (same centre, same spread) would decide."""
+    run_ratios: tuple[float, ...] = ()
+    """Each run's median ratio (candidate over baseline throughput), the figures the gain and its
+    interval are computed from."""
     warnings: tuple[str, ...] = ()
     """Measurement warnings (the spread exceeds the margin, too few pairs)."""
 
@@ -163,6 +176,8 @@ class Verdict:
             "interval": None if self.interval is None else list(self.interval),
             "confidence": CONFIDENCE,
             "runs_to_resolve": self.runs_to_resolve,
+            "run_ratios": list(self.run_ratios),
+            "estimator": ESTIMATOR,
             "warnings": list(self.warnings),
             "criteria": [asdict(c) for c in self.criteria],
         }
@@ -174,10 +189,13 @@ def _tokens(base: ArmFigures, cand: ArmFigures, unit: str) -> Criterion:
     if not b or not c:
         return Criterion(name=name, passed=False, figure="no measured updates to compare")
     if b == c:
+        runs = len(base.units_per_s_per_run)
+        every = f"in each of the {runs} runs" if runs > 1 else "in the run"
         return Criterion(
             name=name,
             passed=True,
-            figure=f"{sum(b):,} in {len(b)} updates on both (per update {min(b):,}..{max(b):,})",
+            figure=f"{sum(b):,} {unit} over {len(b)} updates {every} (the same data), identical on both "
+            f"(per update {min(b):,}..{max(b):,})",
         )
     if len(b) != len(c):
         return Criterion(name=name, passed=False, figure=f"{len(b)} vs {len(c)} measured updates")
@@ -187,11 +205,15 @@ def _tokens(base: ArmFigures, cand: ArmFigures, unit: str) -> Criterion:
 
 def _updates(base: ArmFigures, cand: ArmFigures) -> Criterion:
     same = base.updates == cand.updates and base.global_batch == cand.global_batch
+    runs = (len(base.units_per_s_per_run), len(cand.units_per_s_per_run))
+    per_run = ""
+    if runs[0] and runs[1] and base.updates % runs[0] == 0 and cand.updates % runs[1] == 0:
+        per_run = f" ({runs[0]} runs x {base.updates // runs[0]} vs {runs[1]} x {cand.updates // runs[1]})"
     return Criterion(
         name="optimizer updates equal",
         passed=same and base.updates > 0,
         figure=(
-            f"{base.updates} vs {cand.updates} updates at global batch "
+            f"{base.updates} vs {cand.updates} updates in total{per_run} at global batch "
             f"{base.global_batch} vs {cand.global_batch}"
         ),
     )
@@ -269,23 +291,37 @@ def _bootstrap(ratios: Sequence[float], *, resamples: int = RESAMPLES, seed: int
     return _quantile(medians, tail) - 1, _quantile(medians, 1 - tail) - 1
 
 
+def _t_interval(mean: float, spread: float, runs: int) -> tuple[float, float]:
+    """exp(mean +- t(0.975, runs - 1) * spread / sqrt(runs)) - 1: the interval of the gain from the
+    runs' log-ratios' mean and standard deviation."""
+    half = t975(runs - 1) * spread / math.sqrt(runs)
+    return math.expm1(mean - half), math.expm1(mean + half)
+
+
+def _log_figures(runs: Sequence[Sequence[float]]) -> tuple[list[float], float, float]:
+    """Each run's median ratio, and the mean and standard deviation of their logs."""
+    medians = [float(statistics.median(run)) for run in runs]
+    logs = [math.log(m) for m in medians]
+    # equal logs: their mean exactly (fmean of n copies can round away from the value)
+    mean = logs[0] if len(set(logs)) == 1 else statistics.fmean(logs)
+    return medians, mean, statistics.stdev(logs)
+
+
 def gain_interval(paired: Sequence[Sequence[float]]) -> tuple[float, tuple[float, float]]:
-    """The median gain over all pairs and its 95 % interval, with the runs as the replicates.
+    """The gain and its 95 % interval, with the runs as the replicates; the gain is the centre.
 
     ``paired[r]`` holds run r's paired ratios (candidate over baseline throughput). With two or
-    more runs: exp(mean +- t * s / sqrt(n)) - 1 over the runs' median log-ratios. With one run: a
-    percentile bootstrap of the median over its pairs (deterministic). Pure: no hidden state.
+    more runs: the gain is exp(mean) - 1 and the interval exp(mean +- t * s / sqrt(n)) - 1, over
+    the runs' median log-ratios. With one run: the gain is its median ratio - 1 and the interval a
+    percentile bootstrap of that median over its pairs (deterministic). Pure: no hidden state.
     """
     runs = [list(r) for r in paired if r]
     if not runs or any(x <= 0 for run in runs for x in run):
         raise BenchError("the gain's interval needs at least one positive paired ratio")
-    point = statistics.median([x for run in runs for x in run]) - 1
     if len(runs) == 1:
-        return point, _bootstrap(runs[0])
-    logs = [math.log(statistics.median(run)) for run in runs]
-    mean, spread = statistics.fmean(logs), statistics.stdev(logs)
-    half = t975(len(logs) - 1) * spread / math.sqrt(len(logs))
-    return point, (math.exp(mean - half) - 1, math.exp(mean + half) - 1)
+        return float(statistics.median(runs[0])) - 1, _bootstrap(runs[0])
+    _, mean, spread = _log_figures(runs)
+    return math.expm1(mean), _t_interval(mean, spread, len(runs))
 
 
 def _unpaired(base: ArmFigures, cand: ArmFigures) -> list[list[float]]:
@@ -298,6 +334,10 @@ def _unpaired(base: ArmFigures, cand: ArmFigures) -> list[list[float]]:
     return [[y / x for x in b for y in c if x > 0]]
 
 
+def _pct(ratios: Sequence[float]) -> str:
+    return ", ".join(f"{r - 1:+.1%}" for r in ratios)
+
+
 def _throughput(
     base: ArmFigures,
     cand: ArmFigures,
@@ -305,8 +345,8 @@ def _throughput(
     margin: float,
     min_runs: int,
     unit: str,
-) -> tuple[Criterion, Criterion, float | None, tuple[float, float] | None]:
-    name = f"median throughput gain >= {margin:.1%}"
+) -> tuple[Criterion, Criterion, float | None, tuple[float, float] | None, list[list[float]]]:
+    name = f"throughput gain >= {margin:.1%}"
     ci_name = f"{CONFIDENCE:.0%} interval of the gain above 0"
     short = [
         f"{arm} has {len(a.units_per_s_per_run)} finished run(s)"
@@ -321,22 +361,40 @@ def _throughput(
             Criterion(name=ci_name, passed=False, figure=why),
             None,
             None,
+            [],
         )
     b = statistics.median(base.units_per_s_per_run)
     c = statistics.median(cand.units_per_s_per_run)
     pairs = [list(r) for r in (paired or ()) if r]
     source = pairs if pairs else _unpaired(base, cand)
     gain, (low, high) = gain_interval(source)
-    how = (
-        f"median of {sum(len(r) for r in pairs)} paired block ratios over {len(pairs)} runs"
-        if pairs
-        else f"medians of {len(cand.units_per_s_per_run)} and {len(base.units_per_s_per_run)} runs"
+    medians = [float(statistics.median(r)) for r in source]
+    ratio = f"candidate over baseline {unit}/s"
+    if pairs and len(pairs) > 1:
+        how = (
+            f"geometric mean over {len(pairs)} runs of each run's median paired ratio ({ratio} in "
+            f"adjacent blocks; {sum(len(r) for r in pairs)} block pairs); the runs' medians: {_pct(medians)}"
+        )
+    elif pairs:
+        how = f"median of one run's {len(pairs[0])} paired block ratios ({ratio} in adjacent blocks)"
+    elif len(source) > 1:
+        how = f"geometric mean over {len(source)} runs of run r's {ratio} (no paired blocks): {_pct(medians)}"
+    else:
+        how = f"median over every combination of the arms' runs of {ratio} (no paired blocks)"
+    figure = (
+        f"{gain:+.1%} = {how}. For scale, the median run's {unit}/s: candidate {c:,.0f}, "
+        f"baseline {b:,.0f} (their ratio {c / b - 1:+.1%} is not the paired estimate)"
+        if b > 0
+        else f"{gain:+.1%} = {how}"
     )
-    figure = f"{gain:+.1%}: candidate {c:,.0f} vs baseline {b:,.0f} {unit}/s ({how})"
     if short:
         figure += f"; needs >= {min_runs} finished runs each: " + "; ".join(short)
     runs_n = len(source)
-    how_ci = f"t over {runs_n} runs' median ratios" if runs_n > 1 else "bootstrap over one run's pairs"
+    how_ci = (
+        f"Student t over {runs_n} runs' median log-ratios, centred on the gain"
+        if runs_n > 1
+        else "bootstrap of one run's median ratio over its pairs"
+    )
     ci_figure = f"[{low:+.1%}, {high:+.1%}] ({CONFIDENCE:.0%}, {how_ci})"
     gain_ok = not short and gain >= margin
     ci_ok = not short and low > 0
@@ -345,25 +403,27 @@ def _throughput(
         Criterion(name=ci_name, passed=ci_ok, figure=ci_figure),
         gain,
         (low, high),
+        source,
     )
 
 
-def _runs_to_resolve(gain: float, interval: tuple[float, float], margin: float, runs: int) -> int | None:
-    """Runs for the interval to decide if the runs' spread stays as measured (t * s / sqrt(n))."""
-    low, high = interval
-    # at or above the margin the interval must clear 0; below it, it must fall under the margin
-    distance = gain if gain >= margin else margin - gain
-    if runs < 2 or high <= low or distance <= 0:
+def _runs_to_resolve(source: Sequence[Sequence[float]], margin: float) -> int | None:
+    """The fewest runs whose interval decides, with the gain and the runs' spread as measured.
+
+    The same arithmetic as :func:`gain_interval`: the interval at n runs is
+    exp(mean +- t(n-1) s / sqrt(n)) - 1, and it decides when its low end clears 0 (a gain at or
+    above the margin: ADOPT) or its high end falls under the margin (a gain below it: KEEP).
+    """
+    runs = [r for r in source if r]
+    if len(runs) < 2:
         return None
-    half_log = (math.log1p(high) - math.log1p(low)) / 2
-    spread = half_log * math.sqrt(runs) / t975(runs - 1)  # the runs' standard deviation, in log space
-    target = (
-        math.log1p(gain) - math.log1p(gain - distance)
-        if gain >= margin
-        else math.log1p(margin) - math.log1p(gain)
-    )
-    for n in range(runs + 1, MAX_RUNS_SUGGESTED + 1):
-        if t975(n - 1) * spread / math.sqrt(n) < target:
+    _, mean, spread = _log_figures(runs)
+    adopting = math.expm1(mean) >= margin
+    if spread == 0:
+        return None
+    for n in range(len(runs) + 1, MAX_RUNS_SUGGESTED + 1):
+        low, high = _t_interval(mean, spread, n)
+        if (low > 0) if adopting else (high < margin):
             return n
     return MAX_RUNS_SUGGESTED + 1
 
@@ -387,7 +447,9 @@ def decide(
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
         raise BenchError(f"margin must be a non-negative fraction (0.03 = 3%), got {margin!r}")
     require_int("min_runs", min_runs, error=BenchError)
-    throughput, interval_ok, gain, interval = _throughput(baseline, candidate, paired, margin, min_runs, unit)
+    throughput, interval_ok, gain, interval, source = _throughput(
+        baseline, candidate, paired, margin, min_runs, unit
+    )
     accounting = (
         _tokens(baseline, candidate, unit),
         _updates(baseline, candidate),
@@ -397,29 +459,34 @@ def decide(
     )
     criteria = (*accounting, throughput, interval_ok)
     short = any(len(a.units_per_s_per_run) < min_runs or a.runs_failed for a in (baseline, candidate))
-    runs = len([r for r in (paired or ()) if r]) or min(
-        len(baseline.units_per_s_per_run), len(candidate.units_per_s_per_run)
-    )
     warnings: list[str] = []
     runs_needed: int | None = None
+    decided = False  # whether the interval itself decided (not an accounting failure)
     if all(c.passed for c in criteria):
         decision = ADOPT
+        decided = True
     elif not all(c.passed for c in accounting) or gain is None or interval is None or short:
         decision = KEEP  # wrong arithmetic, or runs that did not finish: nothing to weigh
     elif interval[1] < margin:
         decision = KEEP  # confidently below the margin
+        decided = True
     else:
         decision = INCONCLUSIVE
-        runs_needed = _runs_to_resolve(gain, interval, margin, runs)
+        runs_needed = _runs_to_resolve(source, margin)
     if interval is not None and interval[1] - interval[0] > margin:
-        warnings.append(
-            f"the {CONFIDENCE:.0%} interval of the gain is {interval[1] - interval[0]:.1%} wide, wider than "
-            f"the margin {margin:.1%}: this machine's noise is larger than the difference being measured"
+        width = interval[1] - interval[0]
+        warning = (
+            f"the {CONFIDENCE:.0%} interval of the gain is {width:.1%} wide, wider than the margin "
+            f"{margin:.1%}: between runs this machine's noise is larger than the margin, so a gain within "
+            "about half that width of 0 or of the margin cannot be decided"
         )
+        if decided and gain is not None:
+            warning += f" (this one, {gain:+.1%}, is far enough from them to decide)"
+        warnings.append(warning)
     if runs_needed is not None and runs_needed > MAX_RUNS_SUGGESTED:
         runs_needed = None
         warnings.append(
-            f"the median gain sits too close to the decision for any practical number of runs (> "
+            f"the gain sits too close to the decision for any practical number of runs (> "
             f"{MAX_RUNS_SUGGESTED}) to resolve it: the two configurations are about as fast"
         )
     return Verdict(
@@ -430,4 +497,5 @@ def decide(
         interval=interval,
         runs_to_resolve=runs_needed,
         warnings=tuple(warnings),
+        run_ratios=tuple(float(statistics.median(r)) for r in source),
     )

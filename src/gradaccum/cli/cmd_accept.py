@@ -39,6 +39,7 @@ from gradaccum.cli.common import (
     torchrun_leader,
     workload_spec,
 )
+from gradaccum.cli.heartbeat import Heartbeat, progress_stage
 from gradaccum.errors import BenchError
 
 DEFAULT_BASELINE, DEFAULT_CANDIDATE = "8x4", "4x8"
@@ -143,12 +144,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # plain, flushed progress lines when stdout is a log or a pipe (the spinner draws nothing there)
+    with Heartbeat("accept", enabled=not console.is_terminal and torchrun_leader()) as beat:
+        return _run(args, beat)
+
+
+def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept, with_quality
     from gradaccum.bench.quality import run_quality
     from gradaccum.bench.report import (
         comm_rows,
         memory_lines,
         memory_rows,
+        phase_lines,
         quality_table,
         time_rows,
         verdict_lines,
@@ -176,12 +184,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if spec.settings.runs < 3:
         raise BenchError(f"--runs must be at least 3 (the protocol's minimum), got {spec.settings.runs}")
+    beat.stage("loading the workload and estimating its memory")
     workload = load_workload(spec.workload)
     refuse_what_cannot_fit(workload, [spec.baseline, spec.candidate], settings.precision, device, check=True)
     # the checks run in this process before any process group exists (under torchrun too)
     status = "float64 equivalence of both partitionings, then production-precision traces"
+    beat.stage(status)
     with console.status(status) if torchrun_leader() else contextlib.nullcontext():
         equivalence = check_equivalence(spec, workload)
+    beat.stage(f"measuring: 2 memory probes and {settings.runs} paired runs, each a fresh process")
     env = environment(device)
     launching = make_launching(dp, args.timeout)
     try:
@@ -192,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 workload=workload,
                 environment=env,
                 equivalence=equivalence,
-                on_progress=on_progress,
+                on_progress=progress_stage(beat, on_progress),
             )
     finally:
         finish_launching(launching)
@@ -212,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
 
             def on_run(arm: str, seed: int, done: int, total: int) -> None:
                 spinner.update(f"quality run {done + 1}/{total}: {arm} seed {seed}")
+                beat.stage(f"quality run {done + 1}/{total}: {arm} seed {seed}")
 
             quality = run_quality(
                 quality_spec,
@@ -221,7 +233,9 @@ def run(args: argparse.Namespace) -> int:
                 on_run=on_run,
             )
         result = with_quality(result, quality)
+    beat.stage("writing the run folder (report, plots)")
     write_accept_folder(result, folder)
+    beat.stage("done")
 
     b, c = spec.baseline, spec.candidate
     clip = "off" if settings.max_grad_norm is None else f"{settings.max_grad_norm:g}"
@@ -236,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
     )
     arms = [result.baseline, result.candidate]
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(arms)))
+    for line in phase_lines(arms):
+        console.print(escape(line))
     console.print(
         rich_table("memory (from the tensors; CUDA peaks where present) and all-reduces", memory_rows(arms))
     )

@@ -23,8 +23,10 @@ from gradaccum.cli.common import (
     resolve_device,
     resolve_dp,
     rich_table,
+    torchrun_leader,
     workload_spec,
 )
+from gradaccum.cli.heartbeat import Heartbeat, progress_stage
 from gradaccum.errors import PlanError
 
 
@@ -81,6 +83,13 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # plain, flushed progress lines when stdout is a log or a pipe (never into --json's output)
+    enabled = not console.is_terminal and not args.json and torchrun_leader()
+    with Heartbeat("bench", enabled=enabled) as beat:
+        return _run(args, beat)
+
+
+def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     from gradaccum.bench.checkpointing import check_checkpointing, checkpoint_blocks
     from gradaccum.bench.report import (
         checkpointing_lines,
@@ -90,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         fsdp2_rows,
         memory_predictions,
         memory_rows,
+        phase_lines,
         time_rows,
     )
     from gradaccum.bench.runfolder import new_run_folder, write_sweep_folder
@@ -118,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # workers import the workload themselves; loading it here first turns a workload that cannot load
     # (or a plan that cannot fit) into exit 2 naming the problem, before any worker is spawned
+    beat.stage("loading the workload and estimating its memory")
     workload = load_workload(spec.workload)
     refuse_what_cannot_fit(
         workload, [s.plan for s in spec.measure_specs()], spec.settings.precision, device, check=False
@@ -132,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             result = run_sweep(
                 spec,
                 launching.launch,
-                on_progress=on_progress,
+                on_progress=progress_stage(beat, on_progress),
                 environment=environment(device),
                 checkpointing_check=check,
             )
@@ -144,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     if not launching.leader:
         return code
     folder = new_run_folder(args.out_dir, "bench")
+    beat.stage("writing the run folder (report, plots)")
     write_sweep_folder(result, folder)
+    beat.stage("done")
     if args.json:
         print((folder / "results.json").read_text(encoding="utf-8"), end="")
         return code
@@ -156,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
     )
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(result.configs)))
+    for line in phase_lines(result.configs):
+        console.print(escape(line))
     console.print(
         rich_table("peak memory and gradient all-reduces", memory_rows(result.configs, predictions))
     )
@@ -163,8 +178,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"memory model: none ({result.memory_model_note})")
     else:
         console.print(
-            f"memory model ({mm.kind}): peak = {fmt_bytes(mm.persistent_bytes)} + "
-            f"{fmt_bytes(mm.per_example_bytes)} x micro_batch (rms residual {fmt_bytes(mm.residual_bytes)})"
+            f"memory model: peak = {fmt_bytes(mm.persistent_bytes)} persistent + {fmt_bytes(mm.fixed_bytes)} "
+            f"+ {fmt_bytes(mm.per_example_bytes)} x micro_batch ({mm.fit_words})"
         )
         if spec.memory_budget_bytes is not None:
             largest = result.largest_fitting_micro_batch

@@ -77,10 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="an explicit partition, e.g. 1,3,4 (default: none, equal micro-batches of --micro-batch)",
     )
     p.add_argument(
-        "--dtype",
+        "--check-precision",
+        "--dtype",  # the earlier name, kept
+        dest="dtype",
         choices=VERIFY_DTYPES,
         default="float64",
-        help="precision of the stage-1 diagnostic (default float64)",
+        help="precision of the stage-1 diagnostic (default float64; --dtype is the same flag)",
     )
     p.add_argument(
         "--trace-steps",
@@ -91,10 +93,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default 5)",
     )
     p.add_argument(
-        "--trace-dtype",
+        "--precision",
+        "--trace-dtype",  # the earlier name, kept
+        dest="trace_dtype",
         choices=TRACE_DTYPES,
         default="float32",
-        help="production precision of stage 2 (default float32)",
+        help="production precision of stage 2, as --precision of train, bench and accept (default "
+        "float32; --trace-dtype is the same flag)",
     )
     p.add_argument(
         "--cached",
@@ -107,6 +112,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="the packed check instead: the workload's documents packed and padded must give the same "
         "update under token and document normalization (hf: workloads, or extras['documents'])",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="NAME=SIZE,...",
+        help="under torchrun: check on a device mesh, e.g. dp_shard=2,tp=2 (data and tensor parallel "
+        "dimensions; the workload declares parallelize(model, mesh)) against one micro-batch per rank "
+        "and one process's full batch (default: no mesh)",
     )
     p.add_argument(
         "--compile",
@@ -206,6 +219,30 @@ def _render_report(report: EquivalenceReport, workload: Workload) -> None:
     render_findings(report.findings, details=False)
 
 
+def weak_reasons(report: EquivalenceReport, workload: Workload) -> list[str]:
+    """Why a passing check proves less than it seems: what it could not have seen, and why."""
+    reasons = []
+    counts = report.counts
+    if len(counts) > 1 and len(set(counts)) == 1:
+        reasons.append(
+            f"every micro-batch counts the same number of {workload.unit} ({counts[0]:,}): a mean of means "
+            "weighs them equally too, so this check cannot see a weighting error; give it micro-batches "
+            "of uneven counts (--sizes, or data whose rows differ in length)"
+        )
+    rows = workload.extras.get("train_rows")
+    spec = workload.extras.get("spec")
+    if isinstance(rows, int) and spec is not None and getattr(spec, "data", None):
+        from gradaccum.workloads.hf import repeats
+
+        repeated = repeats(rows, sum(report.sizes), spec.data)
+        if repeated is not None:
+            reasons.append(
+                f"the verification {repeated}: copies of one row in different micro-batches count the "
+                "same, so uneven weighting cannot show; use a file with more rows (documents)"
+            )
+    return reasons
+
+
 def _fmt(x: float) -> str:
     return "skipped" if math.isnan(x) else f"{x:.6g}"
 
@@ -259,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradaccum verify: error: --device {args.device!r} {why}", file=sys.stderr)
         return EXIT_BAD_INPUT
     workload = load_workload(workload_spec(args))
+    if args.mesh is not None:
+        return _run_mesh(args, workload, device)
     if args.packed:
         return _run_packed(args, workload, device)
     _check_partition(workload, args.micro_batch, args.sizes)
@@ -298,7 +337,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.trace_steps:
         console.print("[bold]stage 2[/bold]: not run, because stage 1 failed")
     passed = report.passed and (trace is None or trace.passed)
-    console.print(f"[bold]verdict[/bold]: {mark(passed)}")
+    weak = weak_reasons(report, workload) if passed else []
+    for reason in weak:
+        console.print(f"[yellow]weak check[/yellow]: {escape(reason)}")
+    console.print(f"[bold]verdict[/bold]: {mark(passed)}" + (" (a weak check: see above)" if weak else ""))
     console.print(f"  stage 1: {escape(report.summary())}")
     if trace is not None:
         console.print(f"  stage 2: {escape(trace.summary())}")
@@ -315,6 +357,47 @@ def run(args: argparse.Namespace) -> int:
             "compounds (a large learning rate, loss spikes) or for state that differs between the runs"
         )
     return EXIT_OK if passed else EXIT_FAILED
+
+
+def _run_mesh(args: argparse.Namespace, workload: Workload, device: torch.device) -> int:
+    """verify --mesh under torchrun: every rank checks, rank 0 prints (see gradaccum.check.mesh)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradaccum.check.mesh import verify_on_mesh
+    from gradaccum.mesh.layout import parse_mesh
+
+    shape = parse_mesh(args.mesh)
+    ranks = math.prod(shape.values())
+    if "WORLD_SIZE" not in os.environ:
+        print(
+            "gradaccum verify: error: --mesh runs on every rank of the mesh: launch it with torchrun, "
+            f"e.g. torchrun --nproc-per-node {ranks} -m gradaccum verify --mesh {args.mesh}",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        if dist.get_world_size() != ranks:
+            raise PlanError(
+                f"--mesh {args.mesh} has {ranks} ranks but torchrun started "
+                f"{dist.get_world_size()}; make --nproc-per-node x nodes equal the mesh's size"
+            )
+        mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        report = verify_on_mesh(workload, mesh, micro_batch=args.micro_batch)
+        if dist.get_rank() == 0:
+            console.print(f"[bold]verify --mesh {escape(report.mesh)}[/bold] on {escape(workload.name)}")
+            console.print(
+                f"  {report.micro_batches} micro-batches per data rank, N = {report.global_count}\n"
+                f"  accumulated vs one micro-batch per rank: {report.accumulated_vs_one_pass:.1e}\n"
+                f"  accumulated vs one process, full batch:  {report.accumulated_vs_single_process:.1e}\n"
+                f"  tolerance {report.tolerance:.0e}: {'PASS' if report.passed else 'FAIL'}"
+            )
+    finally:
+        dist.destroy_process_group()
+    return EXIT_OK if report.passed else EXIT_FAILED
 
 
 def _run_packed(args: argparse.Namespace, workload: Workload, device: torch.device) -> int:

@@ -308,7 +308,8 @@ def workload_spec(args: argparse.Namespace) -> str:
     if spec is None or not spec.startswith(HF_PREFIX):
         if given:
             raise WorkloadError(
-                f"{', '.join(given)} describe the data of an hf: workload, but the workload is "
+                f"{', '.join(given)} {'describes' if len(given) == 1 else 'describe'} the data of an hf: "
+                "workload, but the workload is "
                 f"{spec or DEFAULT_WORKLOAD}: use --workload hf:MODEL_DIR (a local transformers model "
                 "folder), or leave them out (a MODULE:FUNCTION workload makes its own batches)"
             )

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from typing import TYPE_CHECKING, Any
 
 from gradaccum.cli.common import console, escape
+from gradaccum.cli.heartbeat import EVERY_S
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
     from gradaccum.train.loop import TrainResult
     from gradaccum.train.records import StepRecord, TrainEvent, TrainStart
 
-__all__ = ["TrainRenderer", "checkpoint_policy", "count", "fmt"]
+__all__ = ["TrainRenderer", "checkpoint_policy", "count", "fmt", "loss_summary"]
 
 
 def count(n: int, word: str) -> str:
@@ -35,6 +37,8 @@ class TrainRenderer:
         self.task: Any = None
         self.every = max(1, (config.steps or 100) // 10)
         self.tokens, self.seconds = 0, 0.0
+        self.last_line = time.monotonic()
+        """When the last progress line was printed: at least one every ``EVERY_S`` seconds."""
 
     def __call__(self, event: TrainEvent) -> None:
         from gradaccum.train.records import BatchChange, CheckpointRecord, EvalRecord, StepRecord, TrainStart
@@ -155,7 +159,13 @@ class TrainRenderer:
                 tps=rate,
                 skipped=record.skipped,
             )
-        elif (record.window + 1) % self.every == 0 or not record.applied:
+        elif (
+            (record.window + 1) % self.every == 0
+            or not record.applied
+            or len(self.steps) == 1  # the first loss at once, not after a tenth of the run
+            or time.monotonic() - self.last_line >= EVERY_S
+        ):
+            self.last_line = time.monotonic()
             note = "" if record.applied else f"  SKIPPED: {escape(record.skip_reason or '')}"
             console.print(
                 f"step {record.window + 1}: loss {fmt(record.loss)}  lr {record.lr:.3g}  "
@@ -176,13 +186,7 @@ class TrainRenderer:
 
         losses = [r.loss for r in self.steps if r.loss is not None and r.applied]
         p = result.progress
-        if losses:
-            head, tail = losses[: min(5, len(losses))], losses[-min(5, len(losses)) :]
-            console.print(
-                f"start loss {statistics.fmean(head):.4f} -> end loss {statistics.fmean(tail):.4f} "
-                f"(means of the first and last {count(len(tail), 'update')}; "
-                f"first {losses[0]:.4f}, last {losses[-1]:.4f})"
-            )
+        console.print(loss_summary(losses))
         if result.eval_loss is not None:
             console.print(f"eval loss {result.eval_loss:.4f}")
         if result.critical_batch is not None:
@@ -213,6 +217,24 @@ class TrainRenderer:
         )
         if result.stopped != "completed":
             console.print(escape(f"resume with: {resume}"))
+
+
+def loss_summary(losses: list[float]) -> str:
+    """The training loss from start to end, meaningful however short the run: the means of the
+    first and last updates never overlap, and a run of ten updates or fewer shows every loss."""
+    if not losses:
+        return "no update applied: no training loss to show"
+    if len(losses) == 1:
+        return f"one update applied: loss {losses[0]:.4f} (too short to show a trend)"
+    k = min(5, len(losses) // 2)
+    head, tail = statistics.fmean(losses[:k]), statistics.fmean(losses[-k:])
+    text = (
+        f"start loss {head:.4f} -> end loss {tail:.4f} ({tail - head:+.4f}; means of the first and last "
+        f"{count(k, 'update')} of {len(losses)}"
+    )
+    if len(losses) <= 10:
+        return text + "; every loss: " + ", ".join(f"{x:.4f}" for x in losses) + ")"
+    return text + f"; first {losses[0]:.4f}, last {losses[-1]:.4f})"
 
 
 def checkpoint_policy(cfg: TrainConfig) -> str:

@@ -55,6 +55,8 @@ class TrainSignals:
         self.training = False
         self.first: int | None = None
         self._first_at = 0.0
+        self._first_wall = 0.0
+        """The first signal's wall-clock time: a checkpoint modified since is the stop checkpoint."""
         self._installed = False
         self._previous: dict[int, Any] = {}
         self._previous_fd = -1
@@ -130,7 +132,7 @@ class TrainSignals:
             )
         now = time.monotonic()
         if self.first is None:
-            self.first, self._first_at = signum, now
+            self.first, self._first_at, self._first_wall = signum, now, time.time()
             self._say(
                 f"{name}: finishing this window, then checkpointing and stopping; a second signal "
                 "(Ctrl-C again) stops at once, without the checkpoint"
@@ -143,19 +145,25 @@ class TrainSignals:
 
         if self.run_dir is None:
             return f"second signal ({name}): stopped at once"
+        removed: list[Path] = []
         if self.leader:
             for _ in range(2):  # the main thread may have been creating the folder meanwhile
-                remove_partial_checkpoints(self.run_dir)
+                removed += remove_partial_checkpoints(self.run_dir)
         point = find_intact(self.run_dir, checksums=False)
-        kept = (
-            f"the newest complete checkpoint, {point.path}, is intact"
-            if point is not None
-            else "no checkpoint was complete yet"
+        stop_written = point is not None and _modified(point.path) >= self._first_wall
+        if point is None:
+            written = "no checkpoint was complete yet"
+        elif stop_written:
+            written = f"written: the stop checkpoint, {point.path}, intact"
+        else:
+            written = f"the newest complete checkpoint, {point.path}, is intact"
+        gone = (
+            "removed, unfinished: " + ", ".join(dict.fromkeys(p.name for p in removed))
+            if removed
+            else "nothing was being written, so nothing was removed"
         )
-        return (
-            f"second signal ({name}): stopped at once, mid-window; the unfinished checkpoint was removed "
-            f"and {kept}"
-        )
+        when = "after the stop checkpoint was written" if stop_written else "mid-window"
+        return f"second signal ({name}): stopped at once, {when}; {written}; {gone}"
 
     def _say(self, text: str) -> None:
         if self.leader:
@@ -169,3 +177,10 @@ class TrainSignals:
         command = self.resume_command if resume else ""
         self._say(text + (f"\n  resume with: {command}" if command else ""))
         os._exit(code)
+
+
+def _modified(path: Path) -> float:
+    try:
+        return Path(path).stat().st_mtime
+    except OSError:
+        return 0.0

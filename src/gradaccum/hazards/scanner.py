@@ -16,7 +16,10 @@ looks for the layers that break that by type and by attribute names:
 - Mixture-of-experts routers, recognised by an auxiliary-loss attribute (``aux_loss``, ``l_aux``,
   ``load_balancing_loss``, ...; see ``AUX_LOSS_NAMES``) or by a class name containing
   router/moe/gate/expert together with an expert count (``num_experts``, ``n_experts``,
-  ``num_local_experts``, ``n_routed_experts``): balancing statistics are per forward.
+  ``num_local_experts``, ``n_routed_experts``): balancing statistics are per forward. When the
+  model computes no balancing loss (``output_router_logits=False`` in its config, as transformers'
+  Mixtral has by default, or a coefficient of 0) and sets no expert capacity, each token is routed
+  on its own and the update is exact: the finding is then a note, not an error.
 - Hazards the workload declares (``Workload.declared_hazards``), e.g. ``in-batch-negatives``.
 - Inside a compiled region (a compiled model or block, a compiled loss): a division by a Python
   number computed from the batch, which torch.compile bakes into the graph
@@ -302,8 +305,13 @@ def _norm_finding(path: str, module: nn.Module, k: int, micro_batch: int | None)
 def _random_finding(sources: list[RandomSource]) -> Finding:
     first = sources[0]
     if first.switchable:
-        switched = ", ".join(s.describe() for s in sources)
-        how = f"verify switches it off for its diagnostic ({switched} -> 0, restored afterwards). "
+        # the attributes, not the module's path: modules of one kind share one finding with their places
+        switched = ", ".join(
+            dict.fromkeys(
+                "training off" if s.attribute == "training" else f"{s.attribute} -> 0" for s in sources
+            )
+        )
+        how = f"verify switches it off for its diagnostic ({switched}, restored afterwards). "
     else:
         how = "It cannot be switched off (it draws in eval mode too); verify reports it as randomness. "
     return Finding(
@@ -324,12 +332,54 @@ def _random_finding(sources: list[RandomSource]) -> Finding:
     )
 
 
-def _router_finding(path: str, module: nn.Module, k: int) -> Finding:
+_CAPACITY_NAMES = ("capacity_factor", "expert_capacity", "eval_capacity_factor")
+"""Attributes that set how many tokens an expert takes per forward (tokens beyond it are dropped)."""
+
+
+def _aux_loss_off(module: nn.Module, root: nn.Module) -> str | None:
+    """Why the model computes no balancing loss, in words; ``None`` when it does or cannot be told."""
+    for owner in (module, root):
+        config = getattr(owner, "config", None)
+        if getattr(config, "output_router_logits", None) is False:
+            return "its config has output_router_logits=False, so the forward computes no balancing loss"
+        coef = getattr(owner, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
+        if isinstance(coef, (int, float)) and not isinstance(coef, bool) and coef == 0:
+            return "its balancing-loss coefficient (router_aux_loss_coef) is 0"
+    return None
+
+
+def _has_capacity(module: nn.Module, root: nn.Module) -> bool:
+    config = getattr(root, "config", None)
+    owners = [*module.modules(), config]
+    return any(getattr(o, name, None) not in (None, 0, False) for o in owners for name in _CAPACITY_NAMES)
+
+
+def _router_finding(path: str, module: nn.Module, k: int, root: nn.Module) -> Finding:
     figures: dict[str, float] = {"accum_steps": float(k)}
     count_name = _has_any(module, EXPERT_COUNT_NAMES)
     experts = getattr(module, count_name, None) if count_name else None
     if isinstance(experts, int):
         figures["num_experts"] = float(experts)
+    off = _aux_loss_off(module, root)
+    if off is not None and not _has_capacity(module, root):
+        return Finding(
+            code="moe-router",
+            severity="info",
+            path=path,
+            kind=type(module).__name__,
+            summary="routes each token on its own: its balancing loss is off",
+            explanation=(
+                f"A mixture-of-experts router, but {off} and no expert capacity is set: each token's "
+                "experts depend on that token alone, so nothing couples the examples of a micro-batch "
+                f"and the update over {k} micro-batches is exact (verify measures it). Turning the "
+                "balancing loss on (output_router_logits=True) makes it a per-forward batch statistic."
+            ),
+            fix=(
+                "None needed while the balancing loss is off. With it on, accumulate the routing "
+                "statistics over the window and compute the balancing loss once per optimizer step."
+            ),
+            figures=figures,
+        )
     return Finding(
         code="moe-router",
         severity="error",
@@ -496,7 +546,7 @@ def scan(
             elif _is_router(module) and not any(r == "" or path.startswith(r + ".") for r in routers):
                 # the gate inside a recognised MoE block is the same finding
                 routers.append(path)
-                findings.append(_router_finding(path, module, k))
+                findings.append(_router_finding(path, module, k, model))
         findings.extend(_declared_finding(h, k, micro_batch) for h in dict.fromkeys(declared_hazards))
     findings.extend(compiled_findings(model, loss_fn))
     findings.sort(key=lambda f: _RANK[f.severity])  # stable: model order within a severity

@@ -8,7 +8,8 @@
   optimization over windows); Fabric's ``fabric.setup`` objects go straight into ``Accumulator``
   (``gradaccum[lightning]``).
 
-Importing this package imports none of those libraries: each submodule imports its own on import.
+Importing this package imports none of those libraries: each submodule imports its own on import,
+except ``accelerate``, whose functions import it when they run (the step calls its scheduler check).
 """
 
 from __future__ import annotations

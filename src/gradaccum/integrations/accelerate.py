@@ -21,6 +21,12 @@ What the prepared objects need, and get here:
   #2926); the step is given the wrapped scheduler and advances it exactly once per applied update,
   on every rank. Build the schedule in optimizer updates.
 
+A plain ``Accumulator`` given an ``AcceleratedScheduler`` would step it, and so the scheduler it
+wraps W times per update: :func:`refuse_accelerated_scheduler` refuses that when any accumulator is
+built, naming ``prepare_accumulator``. It finds the class through ``sys.modules`` (a scheduler of
+that class means accelerate is imported already), and this module imports accelerate only inside
+the functions that need it, so the step can call it without importing accelerate.
+
 ``accelerator.optimizer_step_was_skipped`` is not updated (the step's ``StepResult.applied`` says
 whether it stepped). DeepSpeed and Megatron-LM own backward and step, and XLA its own reduction:
 those are refused, as is ``Accelerator(gradient_accumulation_steps>1)``, which would divide again.
@@ -28,27 +34,49 @@ those are refused, as is ``Accelerator(gradient_accumulation_steps>1)``, which w
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DistributedType
 
 from gradaccum.errors import ConfigError
-from gradaccum.step.accumulator import Accumulator
 from gradaccum.step.config import AccumConfig, StepResult
 
-__all__ = ["prepare_accumulator", "unwrap_optimizer", "unwrap_scheduler"]
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from gradaccum.step.accumulator import Accumulator
+
+__all__ = ["prepare_accumulator", "refuse_accelerated_scheduler", "unwrap_optimizer", "unwrap_scheduler"]
 
 _REFUSED = {
-    DistributedType.DEEPSPEED: "DeepSpeed's engine runs backward, loss scaling and the step itself",
-    DistributedType.MEGATRON_LM: "Megatron-LM runs backward and the step itself",
-    DistributedType.XLA: "XLA reduces gradients inside the optimizer step, not in backward",
+    "DEEPSPEED": "DeepSpeed's engine runs backward, loss scaling and the step itself",
+    "MEGATRON_LM": "Megatron-LM runs backward and the step itself",
+    "XLA": "XLA reduces gradients inside the optimizer step, not in backward",
 }
+
+
+def refuse_accelerated_scheduler(scheduler: Any) -> None:
+    """Refuse Accelerate's ``AcceleratedScheduler`` handed to an accumulator directly.
+
+    It steps the scheduler it wraps once per process per update (6 steps in 3 updates on 2 ranks),
+    where the step advances a schedule once per update. No accelerate import: the class is looked
+    up in ``sys.modules``, where it is whenever such a scheduler exists.
+    """
+    module = sys.modules.get("accelerate.scheduler")
+    wrapper = getattr(module, "AcceleratedScheduler", None)
+    if isinstance(wrapper, type) and isinstance(scheduler, wrapper):
+        inner = type(getattr(scheduler, "scheduler", None)).__name__
+        raise ConfigError(
+            f"scheduler is Accelerate's AcceleratedScheduler (wrapping {inner}), which steps the scheduler "
+            "it wraps once per process on every update, so the schedule would advance num_processes times "
+            "too fast. Build the accumulator with gradaccum.integrations.accelerate.prepare_accumulator("
+            "accelerator, model, optimizer, scheduler), which unwraps it (and the optimizer, and takes "
+            "Accelerate's scaler), "
+            "or pass the scheduler it wraps: scheduler=scheduler.scheduler"
+        )
 
 
 def prepare_accumulator(
@@ -66,9 +94,13 @@ def prepare_accumulator(
     ``model`` is the prepared model; ``optimizer`` and ``scheduler`` may be the prepared wrappers
     or what they wrap. Settings are one :class:`~gradaccum.AccumConfig` (default: no clipping).
     """
+    from accelerate import Accelerator
+
+    from gradaccum.step.accumulator import Accumulator
+
     if not isinstance(accelerator, Accelerator):
         raise ConfigError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
-    reason = _REFUSED.get(accelerator.distributed_type)
+    reason = _REFUSED.get(accelerator.distributed_type.name)
     if reason is not None:
         raise ConfigError(
             f"prepare_accumulator does not run with distributed_type={accelerator.distributed_type.value}: "
@@ -95,9 +127,13 @@ def prepare_accumulator(
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer an ``AcceleratedOptimizer`` wraps (its public ``optimizer``); others as given."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
 def unwrap_scheduler(scheduler: Any) -> Any:
     """The scheduler an ``AcceleratedScheduler`` wraps (its public ``scheduler``); others as given."""
+    from accelerate.scheduler import AcceleratedScheduler
+
     return scheduler.scheduler if isinstance(scheduler, AcceleratedScheduler) else scheduler

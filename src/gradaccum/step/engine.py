@@ -247,6 +247,9 @@ class WindowEngine:
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        from gradaccum.integrations.accelerate import refuse_accelerated_scheduler  # here: no import cycle
+
+        refuse_accelerated_scheduler(scheduler)  # it steps W times per update; names prepare_accumulator
         self.model = model
         self.optimizer = optimizer
         self.config = config

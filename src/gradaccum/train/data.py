@@ -146,13 +146,17 @@ class ShardedStream:
         )
 
     def eval_batches(self, examples: int) -> list[Batch]:
-        """This rank's share of the held-out batch, cut into micro-batches.
+        """This rank's share of the held-out batch, cut into micro-batches: from
+        ``make_batch.held_out(n, seed)`` when the workload's ``make_batch`` has one (rows it never
+        trains on), else ``make_batch`` with an evaluation seed (fresh examples for generated data).
 
         ``examples`` is rounded up to a multiple of ``dp`` so that every rank runs the same number
         of forwards (FSDP2 gathers parameters in each one; unequal counts would hang).
         """
         per_rank = -(-examples // self.plan.dp)
-        full = self.make_batch(per_rank * self.plan.dp, eval_seed(self.seed, 0))
+        # a workload that holds rows out (hf: files) draws the evaluation from them alone
+        draw = getattr(self.make_batch, "held_out", self.make_batch)
+        full = draw(per_rank * self.plan.dp, eval_seed(self.seed, 0))
         local = self._prepare(take(full, self.rank * per_rank, (self.rank + 1) * per_rank))
         step = self.plan.micro_batch
         return [take(local, i, min(i + step, per_rank)) for i in range(0, per_rank, step)]

@@ -62,5 +62,7 @@ def _jsonl_text(file: Path, number: int, line: str, field: str) -> str:
         )
     value = record[field]
     if not isinstance(value, str):
-        raise WorkloadError(f"{file}:{number}: field {field!r} holds a {type(value).__name__}, not text")
+        kind = type(value).__name__
+        article = "an" if kind[:1] in "aeiou" else "a"
+        raise WorkloadError(f"{file}:{number}: field {field!r} holds {article} {kind}, not text")
     return value.strip()

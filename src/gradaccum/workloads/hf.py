@@ -8,6 +8,14 @@ document each, ``attention_mask``) or packed rows (``position_ids`` restarting p
 The loss is :class:`~gradaccum.CausalLMLoss` with the spec's normalization and
 ``mask_documents=True``, so that a packed row attends within its documents only.
 
+A tenth of the rows (at least one; none when the file has fewer than ``MIN_ROWS_TO_HOLD_OUT``) is
+held out: ``make_batch`` never draws them, and evaluation draws only them (``make_batch.held_out``,
+which :class:`~gradaccum.train.data.ShardedStream` uses), so a "held-out" loss is not measured on
+rows the run trained on. A file too small to split refuses evaluation instead of faking it. A
+batch larger than the verification batch that would repeat the training rows (a micro-batch of 512
+on a 200-row file) is refused; a verification batch that repeats rows is allowed and ``verify``
+reports the check as weak.
+
 Nothing is downloaded: every transformers call passes ``local_files_only=True``. transformers is
 imported only here, when such a workload is loaded.
 """
@@ -31,12 +39,18 @@ from gradaccum.workloads.base import Workload
 from gradaccum.workloads.data import read_documents
 from gradaccum.workloads.spec import DEFAULT_SEQ_LEN, HFSpec
 
-__all__ = ["EXTRA", "INIT_SEED", "hf_workload"]
+__all__ = ["EXTRA", "HELD_OUT_FRACTION", "INIT_SEED", "MIN_ROWS_TO_HOLD_OUT", "hf_workload", "repeats"]
 
 EXTRA = "gradaccum[transformers]"
 """The optional extra that installs what an ``hf:`` workload imports."""
 INIT_SEED = 0
 """The seed of a model built from its config alone."""
+HELD_OUT_FRACTION = 0.1
+"""The share of the rows held out for evaluation (rounded, at least one row)."""
+MIN_ROWS_TO_HOLD_OUT = 10
+"""Fewer rows than this are too few to split: nothing is held out and evaluation is refused."""
+SPLIT_SEED = 0
+"""The seed of the fixed permutation that picks the held-out rows."""
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -177,16 +191,71 @@ def _check_vocab(config: Any, documents: list[list[int]], folder: Path) -> None:
         )
 
 
-def _sampler(rows: dict[str, torch.Tensor]) -> Callable[[int, int], Batch]:
-    """``make_batch(n, seed)``: n rows in an order drawn from ``seed``, cycling past the last row."""
+def _draw(rows: dict[str, torch.Tensor], n_examples: int, seed: int) -> Batch:
+    """n rows in an order drawn from ``seed``, cycling past the last row."""
     count = int(rows["input_ids"].shape[0])
+    generator = torch.Generator().manual_seed(seed)
+    rounds = -(-n_examples // count)
+    order = torch.cat([torch.randperm(count, generator=generator) for _ in range(rounds)])[:n_examples]
+    return {key: value[order] for key, value in rows.items()}
+
+
+def _split(rows: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """(training rows, held-out rows): a fixed tenth held out, or ``None`` when too few to split."""
+    count = int(rows["input_ids"].shape[0])
+    if count < MIN_ROWS_TO_HOLD_OUT:
+        return rows, None
+    held = max(1, round(count * HELD_OUT_FRACTION))
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    train_idx, held_idx = order[held:].sort().values, order[:held].sort().values
+    return (
+        {key: value[train_idx] for key, value in rows.items()},
+        {key: value[held_idx] for key, value in rows.items()},
+    )
+
+
+def repeats(rows: int, examples: int, data: str) -> str | None:
+    """The sentence for a batch of ``examples`` drawn from ``rows`` training rows when it repeats them."""
+    if examples <= rows:
+        return None
+    return (
+        f"a batch of {examples:,} examples from {Path(data).name}, which holds {count_of(rows, 'row')} "
+        f"to train on, repeats rows (about {examples / rows:.1f} times each)"
+    )
+
+
+def count_of(n: int, word: str) -> str:
+    return f"{n:,} {word if n == 1 else word + 's'}"
+
+
+def _sampler(
+    rows: dict[str, torch.Tensor], held_out: dict[str, torch.Tensor] | None, data: str, verify_batch: int
+) -> Callable[[int, int], Batch]:
+    """``make_batch(n, seed)`` over the training rows, with ``make_batch.held_out(n, seed)`` over the
+    held-out rows (refused when the file was too small to hold any out)."""
+    count = int(rows["input_ids"].shape[0])
+    total = count + (0 if held_out is None else int(held_out["input_ids"].shape[0]))
 
     def make_batch(n_examples: int, seed: int) -> Batch:
-        generator = torch.Generator().manual_seed(seed)
-        rounds = -(-n_examples // count)
-        order = torch.cat([torch.randperm(count, generator=generator) for _ in range(rounds)])[:n_examples]
-        return {key: value[order] for key, value in rows.items()}
+        repeated = repeats(count, n_examples, data)
+        if repeated is not None and n_examples > verify_batch:
+            raise WorkloadError(
+                f"{repeated}: training on copies of the same rows. Ask for at most {count:,} examples per "
+                "window (micro-batch x accumulation x dp, or --global-batch), or use a larger data file"
+            )
+        return _draw(rows, n_examples, seed)
 
+    def draw_held_out(n_examples: int, seed: int) -> Batch:
+        if held_out is None:
+            raise WorkloadError(
+                f"{Path(data).name} holds {count_of(total, 'row')}, too few to hold any out for evaluation "
+                f"(at least {MIN_ROWS_TO_HOLD_OUT}: a tenth is held out), and a loss on the rows the run "
+                "trains on is not a held-out loss. Use a larger data file, or evaluate without one (leave "
+                "out --eval-every, --quality-steps)"
+            )
+        return _draw(held_out, n_examples, seed)
+
+    make_batch.held_out = draw_held_out  # type: ignore[attr-defined]
     return make_batch
 
 
@@ -214,10 +283,18 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
     loss = CausalLMLoss(spec.normalization, mask_documents=True)
     model_type = getattr(config, "model_type", type(config).__name__)
     origin = "weights" if weights else f"config only, seeded init {INIT_SEED}"
+    train_rows, held_out = _split(layout.batch)
+    n_train = int(train_rows["input_ids"].shape[0])
+    n_held = 0 if held_out is None else int(held_out["input_ids"].shape[0])
+    split = (
+        f"{n_train:,} rows to train on, {n_held:,} held out for evaluation"
+        if held_out is not None
+        else f"all {count_of(n_train, 'row')} to train on, too few to hold any out (evaluation is refused)"
+    )
     return Workload(
         name=f"hf:{folder.name}",
         build_model=_model_builder(transformers, folder, config, weights),
-        make_batch=_sampler(layout.batch),
+        make_batch=_sampler(train_rows, held_out, spec.data, batch_size),
         loss_fn=loss.loss_fn,
         count_fn=loss.count_fn,
         batch_size=batch_size,
@@ -225,7 +302,7 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
         unit=loss.unit,
         description=(
             f"{model_type} from {folder} ({origin}) on {Path(spec.data).name}: {layout.summary()}; "
-            f"{spec.normalization} normalization"
+            f"{split}; {spec.normalization} normalization"
         ),
         extras={
             "documents": tuple(tuple(doc) for doc in docs),
@@ -234,5 +311,7 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
             "loss": loss,
             "layout": layout,
             "spec": spec,
+            "train_rows": n_train,
+            "held_out_rows": n_held,
         },
     )
