@@ -14,7 +14,18 @@ import torch
 from gradaccum.errors import PlanError
 from gradaccum.values import is_int, require_int
 
-__all__ = ["Batch", "batch_size", "cast", "concat", "split", "split_sizes", "take", "to_device"]
+__all__ = [
+    "PAD_VALUES",
+    "Batch",
+    "batch_size",
+    "cast",
+    "concat",
+    "pad_length",
+    "split",
+    "split_sizes",
+    "take",
+    "to_device",
+]
 
 Batch: TypeAlias = Any
 """A tensor, or a tuple/list/mapping (possibly nested) of tensors that share dim 0."""
@@ -134,3 +145,65 @@ def concat(batches: Sequence[Batch]) -> Batch:
     if isinstance(first, (tuple, list)):
         return _rebuild(first, [concat([b[i] for b in batches]) for i in range(len(first))])
     raise PlanError(f"cannot concatenate batches of type {type(first).__name__}")
+
+
+PAD_VALUES: dict[str | int, float] = {
+    "input_ids": 0,
+    "labels": -100,  # gradaccum.loss.IGNORE_INDEX: a padded position counts no unit
+    "attention_mask": 0,
+    "position_ids": 0,
+    "token_type_ids": 0,
+}
+"""What :func:`pad_length` pads the usual token-batch keys with; any other padded tensor needs a
+value given, because a wrong one (a label 0 instead of the ignore index) would silently count."""
+
+
+def pad_length(batch: Batch, multiple: int, values: Mapping[str | int, float] | None = None) -> Batch:
+    """``batch`` with dim 1 (the sequence) of every tensor of 2 or more dims right-padded to a
+    multiple of ``multiple``; tensors of one dim (per-row values) are kept.
+
+    The value of each padded tensor is ``values[key]`` (its key in a mapping, or its index in a
+    tuple), else :data:`PAD_VALUES`; a padded tensor without one is refused. Right padding with
+    labels at the ignore index leaves a causal model's loss, counts and gradients unchanged (no
+    earlier position attends to a later one); a bidirectional model also needs its attention mask
+    padded with 0, as the defaults do. Padded tensors are new, contiguous tensors.
+    """
+    require_int("pad_to_multiple", multiple, error=PlanError)
+    table = {**PAD_VALUES, **(values or {})}
+    lengths = {leaf.shape[1] for leaf in _leaves(batch) if leaf.ndim >= 2}
+    if len(lengths) > 1:
+        raise PlanError(
+            f"pad_to_multiple pads dim 1 of every tensor with 2 or more dims, but this micro-batch's "
+            f"have different sizes there ({sorted(lengths)}); pad it in the collate function instead"
+        )
+    if not lengths:
+        return batch
+    length = lengths.pop()
+    target = -(-length // multiple) * multiple
+    if target == length:
+        return batch
+
+    def pad(key: str | int | None, t: torch.Tensor) -> torch.Tensor:
+        if t.ndim < 2:
+            return t
+        if key is None:
+            raise PlanError(
+                "pad_to_multiple: a micro-batch that is one bare tensor has no key to give a padding "
+                "value for; pass micro-batches as mappings or tuples (e.g. {'input_ids': ..., 'labels': ...})"
+            )
+        if key not in table:
+            raise PlanError(
+                f"pad_to_multiple: no padding value for the micro-batch's tensor {key!r} (known: "
+                f"{sorted(map(str, table))}); pass pad_values={{{key!r}: VALUE}}, e.g. the loss's "
+                "ignore index for labels"
+            )
+        shape = (t.shape[0], target - length, *t.shape[2:])
+        return torch.cat([t, t.new_full(shape, table[key])], dim=1)
+
+    if isinstance(batch, torch.Tensor):
+        return pad(None, batch)
+    if isinstance(batch, Mapping):
+        return _rebuild(batch, {key: _map(value, lambda t, k=key: pad(k, t)) for key, value in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        return _rebuild(batch, [_map(value, lambda t, i=i: pad(i, t)) for i, value in enumerate(batch)])
+    return batch

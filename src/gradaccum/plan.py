@@ -264,13 +264,43 @@ def compare_plans(
     return PlanComparison(rows=tuple(rows), seq_len=seq_len, dataset_size=dataset_size)
 
 
-def windows(micro_batches: Iterable[T], accum_steps: int) -> Iterator[list[T]]:
+def windows(
+    micro_batches: Iterable[T],
+    accum_steps: int,
+    *,
+    pad_to_multiple: int | None = None,
+    pad_values: Mapping[str | int, float] | None = None,
+) -> Iterator[list[T]]:
     """Group micro-batches into windows of ``accum_steps``; the final short window is yielded too.
 
     Each window is the list that :meth:`gradaccum.Accumulator.step` takes; the step normalizes a
     short final window by its own valid count, so nothing is lost or over-weighted.
+
+    ``pad_to_multiple=N`` right-pads each micro-batch's sequence dimension (dim 1 of its tensors of
+    2 or more dims) to a multiple of N, labels with the ignore index, so that a model compiled with
+    static shapes meets at most max_len / N lengths instead of recompiling for every one (see
+    :mod:`gradaccum.step.compiled`); ``pad_values`` overrides or adds a key's padding value
+    (:func:`gradaccum.batch.pad_length` has the rules). Counts and gradients do not change.
     """
     accum_steps = _positive_int("accum_steps", accum_steps)
+    if pad_to_multiple is not None:
+        _positive_int("pad_to_multiple", pad_to_multiple)
+    elif pad_values is not None:
+        raise PlanError("pad_values is given but pad_to_multiple is not: say what to pad to")
+    return _windows(micro_batches, accum_steps, pad_to_multiple, pad_values)
+
+
+def _windows(
+    micro_batches: Iterable[T],
+    accum_steps: int,
+    pad_to_multiple: int | None,
+    pad_values: Mapping[str | int, float] | None,
+) -> Iterator[list[T]]:
+    if pad_to_multiple is not None:
+        from gradaccum.batch import pad_length  # torch only when padding
+
+        multiple = pad_to_multiple
+        micro_batches = (pad_length(item, multiple, pad_values) for item in micro_batches)
     window: list[T] = []
     for item in micro_batches:
         window.append(item)

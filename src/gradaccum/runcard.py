@@ -72,12 +72,17 @@ class RunCard:
     """``ADOPT`` / ``KEEP BASELINE`` for cards written by ``accept``."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form details of the writer (schedule clock, trace window, ...); JSON values only."""
+    compile: bool = False
+    """The model ran compiled (``torch.compile``, in place, before DDP): ``train --runcard``
+    compiles too. Cards written before issue 23 have no such field and read as eager."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise RunCardError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZERS:
             raise RunCardError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if not isinstance(self.compile, bool):
+            raise RunCardError(f"run card 'compile' must be true or false, got {self.compile!r}")
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -108,6 +113,7 @@ class RunCard:
             "git_commit": self.git_commit,
             "verdict": self.verdict,
             "extra": dict(self.extra),
+            "compile": self.compile,
         }
 
     @classmethod
@@ -183,6 +189,7 @@ class RunCard:
             git_commit=data.get("git_commit"),
             verdict=data.get("verdict"),
             extra=dict(extra),
+            compile=data.get("compile", False),
         )
 
 

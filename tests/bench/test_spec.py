@@ -20,12 +20,14 @@ SWEEP_KEYS = [
     "workload", "global_batch", "dp", "plans", "runs", "steps", "warmup", "precision", "defer_sync",
     "device", "threads", "bucket_cap_mb", "seed", "max_grad_norm", "memory_budget_bytes",
     "checkpointing", "sharding",  # issue 15: appended, the earlier keys unchanged
+    "compile",  # issue 23: appended (the sweep's eager/compiled dimension)
 ]  # fmt: skip
 ACCEPT_KEYS = [
     "workload", "baseline", "candidate", "margin", "block_updates", "blocks", "max_consecutive_skips",
     "memory_budget_bytes", "runs", "steps", "warmup", "trace_steps", "precision", "defer_sync", "device",
     "threads", "bucket_cap_mb", "seed", "max_grad_norm",
     "quality_steps", "quality_seeds", "quality_eval_examples",  # issue 15: appended
+    "compile",  # issue 23: appended
 ]  # fmt: skip
 SETTINGS = MeasureSettings(
     runs=4, steps=20, warmup=2, precision="float64", defer_sync=False, threads=2, bucket_cap_mb=5.0, seed=9

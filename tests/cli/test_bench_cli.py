@@ -28,6 +28,7 @@ CONFIG_FIELDS = {
     "reduce_scatter_bytes_per_sync", "comm_bytes_per_update",
     # issue 25: the step's phases that add up
     "count_ms", "other_ms", "phase_means_ms",
+    "compile", "compile_s", "recompiles",  # issue 23: eager or compiled rows
 }  # fmt: skip
 
 

@@ -279,3 +279,30 @@ def test_verify_on_the_users_parallelized_model(ranks: list[dict[str, Any]]) -> 
         assert report.passed, report
         assert report.mesh == "dp_shard=2 x tp=2" and report.micro_batches == 2
         assert report.global_count == models.count_fn(models.batch(8, 3))
+
+
+@pytest.mark.timeout(300)
+def test_verify_mesh_from_the_cli_under_torchrun() -> None:
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    command += [
+        "-m",
+        "gradaccum",
+        "verify",
+        "--workload",
+        "tests.mesh.models:workload",
+        "--mesh",
+        "dp_shard=2,tp=2",
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verify --mesh dp_shard=2 x tp=2" in proc.stdout and "PASS" in proc.stdout
+
+
+def test_verify_mesh_without_torchrun_says_how_to_launch_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from gradaccum.cli.main import main
+
+    assert main(["verify", "--workload", "tests.mesh.models:workload", "--mesh", "dp_shard=2,tp=2"]) == 2
+    assert "torchrun --nproc-per-node 4" in capsys.readouterr().err

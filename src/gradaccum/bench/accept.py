@@ -216,12 +216,15 @@ class AcceptSpec:
             "memory_budget_bytes": self.memory_budget_bytes,
         }
         for name, value in self.settings.to_dict().items():
+            if name == "compile":
+                continue  # appended last (issue 23), the earlier keys unchanged
             data[name] = value
             if name == "warmup":
                 data["trace_steps"] = self.trace_steps  # where results.json has always had it
         data["quality_steps"] = self.quality_steps
         data["quality_seeds"] = self.quality_seeds
         data["quality_eval_examples"] = self.quality_eval_examples
+        data["compile"] = self.settings.compile
         return data
 
 
@@ -427,6 +430,7 @@ def make_runcard(
         device=str(environment.get("device", settings.device)),
         git_commit=environment.get("git_commit"),
         verdict=verdict.decision,
+        compile=settings.compile,
         extra={
             "chosen": "candidate" if verdict.adopt else "baseline",
             "baseline": spec.baseline.label(),

@@ -149,7 +149,9 @@ class _Arm:
         if spec.checkpointing != "none":
             self.probe = RecomputeProbe()
             apply_checkpointing(checkpoint_blocks(workload, base), self.probe)
-        self.model: nn.Module = wrap_model(base, device, fsdp=spec.fsdp, bucket_cap_mb=spec.bucket_cap_mb)
+        self.model: nn.Module = wrap_model(
+            base, device, fsdp=spec.fsdp, bucket_cap_mb=spec.bucket_cap_mb, compile=spec.compile
+        )
         self.counter: CommCounter | None = None
         if isinstance(self.model, DistributedDataParallel):
             self.counter = count_allreduces(self.model)
@@ -173,6 +175,8 @@ class _Arm:
         self.recompute_bytes = 0
         self.held_gradient_bytes = 0
         self.next_update = 0
+        self.first_update_ms = 0.0
+        self.recompiles = 0
 
     def window(self, update: int) -> list[Batch]:
         """Update ``update``'s micro-batches: the same global examples for every configuration of
@@ -184,8 +188,10 @@ class _Arm:
 
     def warm_up(self) -> None:
         """``spec.warmup`` unmeasured updates (allocator, caches, DDP's bucket rebuild, the rank
-        check); the first one counts the memory (:meth:`_counted_update`)."""
+        check); the first one counts the memory (:meth:`_counted_update`) and, compiled, compiles."""
+        start = time.perf_counter()
         self._counted_update(0)
+        self.first_update_ms = (time.perf_counter() - start) * 1e3
         for u in range(1, self.spec.warmup):
             self.acc.step(self.window(u), self.loss_fn, self.workload.count_fn)
         if self.counter is not None:
@@ -256,6 +262,7 @@ class _Arm:
             start = clock.now()
             result = self.acc.step(micro_batches, self.loss_fn, self.workload.count_fn)
             step_ms = (clock.now() - start) * 1e3
+            self.recompiles += result.recompiles
             counting, micro, optimizing = clock.phases(k)
             out.append(
                 _Update(
@@ -315,6 +322,8 @@ class _Arm:
             "memory": (param, grad, state, self.activation_bytes),
             "recompute": self.recompute_bytes,
             "held": self.held_gradient_bytes,
+            "compile_ms": self.first_update_ms - _median([up.step_ms for up in updates]),
+            "recompiles": self.recompiles,
         }
         everyone = dist.all_gather_objects(mine)
         # the slowest rank bounds every update; memory is the largest rank's
@@ -370,6 +379,8 @@ class _Arm:
             reduce_scatter_calls_per_update=None if scatters is None else int(scatters[0]),
             reduce_scatter_bytes_per_update=None if scatters is None else int(scatters[1]),
             reduce_scatter_bytes_per_sync=self.scatter_bytes_per_sync,
+            compile_s=float(slowest("compile_ms") or 0.0) / 1e3 if self.spec.compile else None,
+            recompiles=int(max(r["recompiles"] for r in everyone)),
         )
 
 

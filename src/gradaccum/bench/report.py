@@ -334,6 +334,8 @@ def sweep_markdown(result: SweepResult) -> str:
         ]
     if "full" in spec.checkpointing:
         lines += ["## Activation checkpointing", "", *checkpointing_lines(result), ""]
+    if True in spec.compile:
+        lines += ["## Compiled rows", "", *compile_lines(result.configs), ""]
     if any(c.spec.fsdp for c in result.configs):
         lines += [
             "## FSDP2: sync deferral",
@@ -364,6 +366,21 @@ def sweep_markdown(result: SweepResult) -> str:
         ]
         lines.append("")
     return "\n".join(lines)
+
+
+def compile_lines(configs: Sequence[ConfigSummary]) -> list[str]:
+    """Compile time apart from throughput: the rows' throughput excludes the warm-up that compiled."""
+    lines = [
+        "Compiled rows (`compiled`) ran `nn.Module.compile()` (torch's default backend) before DDP; the "
+        "first warm-up update compiled, and what it took beyond a measured update is the compile time "
+        "(median of runs), kept out of the throughput above. Recompiles: graphs compiled during the "
+        "measured updates, over all runs (0: the warm-up compiled every shape the rows need)."
+    ]
+    for c in configs:
+        if c.spec.compile and c.ok:
+            seconds = c.compile_s or 0.0
+            lines.append(f"- {c.spec.row_label}: compile {seconds:.1f} s, recompiles {c.recompiles}")
+    return lines
 
 
 def checkpointing_lines(result: SweepResult) -> list[str]:

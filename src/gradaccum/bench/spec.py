@@ -83,6 +83,10 @@ class MeasureSpec:
     fsdp: bool = False
     """Shard with FSDP2 ``fully_shard`` (each repeated block, then the root) instead of DDP;
     needs ``dp`` > 1."""
+    compile: bool = False
+    """Compile in place (``nn.Module.compile()``, torch's default backend): the model before DDP
+    wraps it, or each block after FSDP2 shards it; the warm-up's first update then compiles, and
+    its extra time is reported apart (:attr:`Measurement.compile_s`), never in the throughput."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "dp"):
@@ -92,8 +96,10 @@ class MeasureSpec:
             raise BenchError(f"workload must be MODULE:FUNCTION, got {self.workload!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise BenchError(f"checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
-        if not isinstance(self.fsdp, bool):
-            raise BenchError(f"fsdp must be True or False, got {self.fsdp!r}")
+        for flag in ("fsdp", "compile"):
+            if not isinstance(getattr(self, flag), bool):
+                raise BenchError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+
         if self.fsdp and self.dp < 2:
             raise BenchError(
                 "FSDP2 sharding needs dp > 1 (one rank holds every shard: nothing is sharded); "
@@ -125,6 +131,8 @@ class MeasureSpec:
             parts.append("fsdp2")
         if not self.defer_sync:
             parts.append("no-defer")
+        if self.compile:
+            parts.append("compiled")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -182,10 +190,14 @@ class MeasureSettings:
     """Model and data seed."""
     max_grad_norm: float | None = None
     """Clip each update's gradient to this norm, as training will (``None``: no clipping)."""
+    compile: bool = False
+    """Measure compiled models (see :attr:`MeasureSpec.compile`)."""
 
     def __post_init__(self) -> None:
         _positive("runs", self.runs)
         _check_run_settings(self)
+        if not isinstance(self.compile, bool):
+            raise BenchError(f"compile must be True or False, got {self.compile!r}")
 
     def measure_spec(self, workload: str, plan: BatchPlan) -> MeasureSpec:
         """One run's configuration: ``plan`` of ``workload`` measured with these settings."""
@@ -203,6 +215,7 @@ class MeasureSettings:
             threads=self.threads,
             bucket_cap_mb=self.bucket_cap_mb,
             max_grad_norm=self.max_grad_norm,
+            compile=self.compile,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,6 +293,12 @@ class Measurement:
     phase_totals_ms: tuple[float, ...] | None = None
     """(count, micro-batches, optimizer, other, step) summed over the measured updates on the rank
     with the longest steps: totals add up where medians do not (step = the other four)."""
+    compile_s: float | None = None
+    """Compiled rows: the first warm-up update's time minus the median measured update (what
+    compiling cost, slowest rank); ``None`` for eager rows."""
+    recompiles: int = 0
+    """Graphs compiled during the measured updates (``StepResult.recompiles``, largest rank): 0
+    when the warm-up compiled everything the measured shapes need."""
 
     @property
     def step_ms_median(self) -> float:

@@ -114,6 +114,10 @@ class ConfigSummary:
     phase_means_ms: tuple[float, ...] | None = None
     """(count, micro-batches, optimizer, other, step): means per update over every run's updates.
     Means add up (step = the other four), where the table's medians need not."""
+    compile_s: float | None = None
+    """Compiled rows: median over runs of what compiling cost (see ``Measurement.compile_s``)."""
+    recompiles: int = 0
+    """Compiled rows: graphs compiled during the measured updates, summed over runs."""
 
     @property
     def comm_bytes_per_update(self) -> int | None:
@@ -199,6 +203,9 @@ class ConfigSummary:
             "reduce_scatter_bytes_per_update": self.reduce_scatter_bytes_per_update,
             "reduce_scatter_bytes_per_sync": self.reduce_scatter_bytes_per_sync,
             "comm_bytes_per_update": self.comm_bytes_per_update,
+            "compile": self.spec.compile,
+            "compile_s": self.compile_s,
+            "recompiles": self.recompiles,
         }
 
 
@@ -255,6 +262,8 @@ def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
         count_ms=_median_of([m.count_ms for m in done]),
         other_ms=_median_of([m.other_ms for m in done]),
         phase_means_ms=_phase_means(done),
+        compile_s=_median_of([m.compile_s for m in done]),
+        recompiles=sum(m.recompiles for m in done),
     )
 
 

@@ -73,6 +73,8 @@ class SweepSpec:
     """Activation checkpointing modes to measure each configuration with (``none``, ``full``)."""
     sharding: tuple[str, ...] = ("ddp",)
     """Sharding to measure each configuration with (:data:`SHARDING`; ``fsdp2`` needs dp > 1)."""
+    compile: tuple[bool, ...] = (False,)
+    """Eager (False) and/or compiled (True) models: ``bench --compile`` measures both."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("checkpointing", CHECKPOINTING), ("sharding", SHARDING)):
@@ -81,6 +83,8 @@ class SweepSpec:
                 raise BenchError(
                     f"{name} must list each of {allowed} at most once (at least one), got {list(values)}"
                 )
+        if not self.compile or len(set(self.compile)) != len(self.compile):
+            raise BenchError(f"compile must list False and/or True once each, got {list(self.compile)}")
         if "fsdp2" in self.sharding and self.dp < 2:
             raise BenchError(
                 "--sharding fsdp2 needs data parallelism (--dp 2 or more): on one rank nothing is sharded"
@@ -96,8 +100,8 @@ class SweepSpec:
                 )
 
     def measure_specs(self) -> list[MeasureSpec]:
-        """Every row: each plan (largest micro-batch first) x sharding x checkpointing, and for
-        FSDP2 rows sync deferral on and off."""
+        """Every row: each plan (largest micro-batch first) x sharding x checkpointing x compile,
+        and for FSDP2 rows sync deferral on and off."""
         plans = self.plans if self.plans else tuple(factorizations(self.global_batch, dp=self.dp))
         specs = []
         for plan in plans:
@@ -106,9 +110,12 @@ class SweepSpec:
                 fsdp = sharding == "fsdp2"
                 for mode in self.checkpointing:
                     for defer in (True, False) if fsdp else (self.settings.defer_sync,):
-                        specs.append(
-                            dataclasses.replace(base, checkpointing=mode, fsdp=fsdp, defer_sync=defer)
-                        )
+                        for compiled in self.compile:
+                            specs.append(
+                                dataclasses.replace(
+                                    base, checkpointing=mode, fsdp=fsdp, defer_sync=defer, compile=compiled
+                                )
+                            )
         return specs
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,10 +125,11 @@ class SweepSpec:
             "global_batch": self.global_batch,
             "dp": self.dp,
             "plans": None if self.plans is None else [asdict(p) for p in self.plans],
-            **self.settings.to_dict(),
+            **{k: v for k, v in self.settings.to_dict().items() if k != "compile"},
             "memory_budget_bytes": self.memory_budget_bytes,
             "checkpointing": list(self.checkpointing),
             "sharding": list(self.sharding),
+            "compile": list(self.compile),
         }
 
 
@@ -288,6 +296,7 @@ def advised_runcard(
         versions=dict(environment.get("versions", {})),
         device=str(environment.get("device", settings.device)),
         git_commit=environment.get("git_commit"),
+        compile=summary.spec.compile,
         extra={
             "source": "gradaccum bench --memory-budget",
             "advice": advice.sentence,

@@ -91,6 +91,7 @@ def verify(
     name: str = "",
     unit: str = "units",
     audit: bool = True,
+    compile: bool = False,
 ) -> EquivalenceReport:
     """Check that accumulating ``batch`` in micro-batches gives the full-batch update.
 
@@ -105,6 +106,9 @@ def verify(
     exactly zero gradient by design. It runs on this process alone (a plain model, no process group
     needed); the global random generator and every switched-off drop probability are restored on
     return.
+
+    ``compile=True`` compiles the candidate's model in place (``nn.Module.compile()``, torch's
+    default backend) and checks the compiled accumulation against the eager full-batch reference.
     """
     parts = split_sizes(batch_size(batch), micro_batch, sizes)
     grad_tol, param_tol = _tolerances(dtype)
@@ -126,7 +130,11 @@ def verify(
         ref_model = fresh(build_model, dtype, where, seed)
         cand_model = fresh(build_model, dtype, where, seed)
         same_start(ref_model, cand_model)
-        findings = tuple(scan(cand_model, len(parts), micro_batch=uniform, declared_hazards=hazards))
+        if compile:
+            cand_model.compile()  # in place: the same parameters, names and weights
+        findings = tuple(
+            scan(cand_model, len(parts), micro_batch=uniform, declared_hazards=hazards, loss_fn=loss_fn)
+        )
         disabled = randomness.enter_context(randomness_off(ref_model, cand_model))
         counts = [host_count(count_fn(mb), f"micro-batch {i}") for i, mb in enumerate(micro)]
         audits: tuple[CountAudit, ...] = ()
@@ -173,7 +181,8 @@ def verify(
         findings=findings,
         disabled=tuple(s.describe() for s in disabled if s.switchable),
         audit=audits,
-        candidate="Accumulator.step" if candidate_step is None else callable_name(candidate_step),
+        candidate=("Accumulator.step" if candidate_step is None else callable_name(candidate_step))
+        + (" (compiled model)" if compile else ""),
         name=name,
         device=str(where),
     )
@@ -188,9 +197,11 @@ def verify_workload(
     device: torch.device | str = "cpu",
     candidate_step: CandidateStep | None = None,
     seed: int = 0,
+    compile: bool = False,
 ) -> EquivalenceReport:
     """:func:`verify` on a workload's verification batch (``workload.batch(seed)``), with its
-    optimizer and declared hazards; the micro-batch defaults to ``workload.micro_batch``."""
+    optimizer and declared hazards; the micro-batch defaults to ``workload.micro_batch``;
+    ``compile`` as in :func:`verify`."""
     if not isinstance(workload, Workload):
         raise WorkloadError(f"verify_workload needs a gradaccum.Workload, got {type(workload).__name__}")
     if micro_batch is None and sizes is None:
@@ -210,4 +221,5 @@ def verify_workload(
         seed=seed,
         name=workload.name,
         unit=workload.unit,
+        compile=compile,
     )

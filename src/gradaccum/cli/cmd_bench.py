@@ -94,6 +94,7 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     from gradaccum.bench.report import (
         checkpointing_lines,
         comm_rows,
+        compile_lines,
         fmt_bytes,
         fsdp2_rows,
         memory_predictions,
@@ -123,6 +124,7 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
         memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
         checkpointing=_modes(args.checkpointing),
         sharding=_modes(args.sharding),
+        compile=(False, True) if args.compile else (False,),
     )
     # workers import the workload themselves; loading it here first turns a workload that cannot load
     # (or a plan that cannot fit) into exit 2 naming the problem, before any worker is spawned
@@ -205,6 +207,9 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     )
     if "full" in spec.checkpointing:
         for line in checkpointing_lines(result):
+            console.print(escape(line))
+    if True in spec.compile:
+        for line in compile_lines(result.configs):
             console.print(escape(line))
     if result.advice is not None:
         colour = "green" if result.advice.chosen is not None else "yellow"

@@ -60,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
             f"workload {workload.name!r}, so the accumulation steps are not implied; give --accum-steps"
         )
     model = workload.build_model()
-    findings = scan(model, k, micro_batch=micro, declared_hazards=workload.declared_hazards)
+    findings = scan(
+        model, k, micro_batch=micro, declared_hazards=workload.declared_hazards, loss_fn=workload.loss_fn
+    )
     params = sum(p.numel() for p in model.parameters())
     console.print(
         f"scan of {escape(workload.name)} ({type(model).__name__}, {params:,} parameters): "

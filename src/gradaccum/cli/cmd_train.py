@@ -279,6 +279,13 @@ def _add_run(where: argparse._ArgumentGroup) -> None:
     where.add_argument(
         "--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP (default DDP)"
     )
+    where.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model in place before DDP, or each block after fully_shard with --fsdp "
+        "(torch's default backend); a window that compiles says how many graphs, and the run card "
+        "records it (default: eager)",
+    )
     add_threads_option(where, per="process, printed at start, as bench and accept")
     where.add_argument(
         "--run-dir",

@@ -113,6 +113,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the packed check instead: the workload's documents packed and padded must give the same "
         "update under token and document normalization (hf: workloads, or extras['documents'])",
     )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="NAME=SIZE,...",
+        help="under torchrun: check on a device mesh, e.g. dp_shard=2,tp=2 (data and tensor parallel "
+        "dimensions; the workload declares parallelize(model, mesh)) against one micro-batch per rank "
+        "and one process's full batch (default: no mesh)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the candidate's model (in place, torch's default backend) in stage 1 and "
+        "check it against the eager full-batch update; stage 2 runs eager",
+    )
     p.add_argument("--device", default="cpu", help="where to run, e.g. cuda:0 (default cpu)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="initialization/data seed")
     p.set_defaults(func=run)
@@ -282,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradaccum verify: error: --device {args.device!r} {why}", file=sys.stderr)
         return EXIT_BAD_INPUT
     workload = load_workload(workload_spec(args))
+    if args.mesh is not None:
+        return _run_mesh(args, workload, device)
     if args.packed:
         return _run_packed(args, workload, device)
     _check_partition(workload, args.micro_batch, args.sizes)
@@ -299,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         seed=args.seed,
         candidate_step=candidate,
+        compile=args.compile,
     )
     if args.cached:
         report = dataclasses.replace(report, findings=tuple(_handled_by_cache(f) for f in report.findings))
@@ -340,6 +357,47 @@ def run(args: argparse.Namespace) -> int:
             "compounds (a large learning rate, loss spikes) or for state that differs between the runs"
         )
     return EXIT_OK if passed else EXIT_FAILED
+
+
+def _run_mesh(args: argparse.Namespace, workload: Workload, device: torch.device) -> int:
+    """verify --mesh under torchrun: every rank checks, rank 0 prints (see gradaccum.check.mesh)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradaccum.check.mesh import verify_on_mesh
+    from gradaccum.mesh.layout import parse_mesh
+
+    shape = parse_mesh(args.mesh)
+    ranks = math.prod(shape.values())
+    if "WORLD_SIZE" not in os.environ:
+        print(
+            "gradaccum verify: error: --mesh runs on every rank of the mesh: launch it with torchrun, "
+            f"e.g. torchrun --nproc-per-node {ranks} -m gradaccum verify --mesh {args.mesh}",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        if dist.get_world_size() != ranks:
+            raise PlanError(
+                f"--mesh {args.mesh} has {ranks} ranks but torchrun started "
+                f"{dist.get_world_size()}; make --nproc-per-node x nodes equal the mesh's size"
+            )
+        mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        report = verify_on_mesh(workload, mesh, micro_batch=args.micro_batch)
+        if dist.get_rank() == 0:
+            console.print(f"[bold]verify --mesh {escape(report.mesh)}[/bold] on {escape(workload.name)}")
+            console.print(
+                f"  {report.micro_batches} micro-batches per data rank, N = {report.global_count}\n"
+                f"  accumulated vs one micro-batch per rank: {report.accumulated_vs_one_pass:.1e}\n"
+                f"  accumulated vs one process, full batch:  {report.accumulated_vs_single_process:.1e}\n"
+                f"  tolerance {report.tolerance:.0e}: {'PASS' if report.passed else 'FAIL'}"
+            )
+    finally:
+        dist.destroy_process_group()
+    return EXIT_OK if report.passed else EXIT_FAILED
 
 
 def _run_packed(args: argparse.Namespace, workload: Workload, device: torch.device) -> int:

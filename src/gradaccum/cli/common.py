@@ -387,6 +387,13 @@ def add_measure_options(p: argparse.ArgumentParser, *, steps: int, min_runs: int
     p.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar (default: shown)"
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (in place, before DDP; torch's default backend): bench measures "
+        "every configuration eager and compiled, accept compiles both and its run card records it; "
+        "compile time is reported apart from throughput",
+    )
 
 
 def default_threads(requested: int | None, device: str) -> int | None:
@@ -415,6 +422,7 @@ def measure_settings(args: argparse.Namespace, device: str) -> MeasureSettings:
         threads=default_threads(args.threads, device),
         bucket_cap_mb=args.bucket_cap_mb,
         seed=args.seed,
+        compile=args.compile,
     )
 
 

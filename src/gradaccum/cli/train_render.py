@@ -171,6 +171,9 @@ class TrainRenderer:
                 f"step {record.window + 1}: loss {fmt(record.loss)}  lr {record.lr:.3g}  "
                 f"tokens {record.tokens:,}  {rate} tok/s{note}"
             )
+        if record.recompiles:  # StepResult.recompiles: a window that compiled is worth a line
+            graphs = count(record.recompiles, "graph")
+            console.print(f"step {record.window + 1}: torch.compile compiled {graphs}")
 
     def close(self) -> None:
         if self.progress is not None:

@@ -9,8 +9,9 @@ wrap the forward *and* the backward of a micro-batch, never the backward alone.
 
 A training framework may put a thin forward wrapper around the data-parallel module: Lightning
 Fabric's ``fabric.setup`` returns a ``_FabricModule`` that casts inputs and runs autocast, then
-forwards through the DDP or FSDP module it holds. :func:`sync_module` finds that module, so the
-step forwards through the wrapper and switches sync on the module that owns it.
+forwards through the DDP or FSDP module it holds; ``torch.compile(DDP(m))`` returns an
+``OptimizedModule`` holding the DDP. :func:`sync_module` finds that module, so the step forwards
+through the wrapper and switches sync on the module that owns it.
 """
 
 from __future__ import annotations
@@ -72,9 +73,13 @@ def _own_kind(module: nn.Module) -> SyncKind:
 _FORWARD_WRAPPERS = (
     ("lightning.fabric.wrappers", "_FabricModule"),
     ("lightning_fabric.wrappers", "_FabricModule"),
+    ("torch._dynamo.eval_frame", "OptimizedModule"),
 )
-"""Framework classes that forward through a data-parallel module they hold as a child. Looked up in
-``sys.modules`` only: an object of such a class exists only once its framework was imported."""
+"""Classes that forward through a data-parallel module they hold as a child: Fabric's wrapper, and
+what ``torch.compile(DDP(m))`` returns (an ``OptimizedModule`` whose child ``_orig_mod`` is the DDP;
+DDP's forward still runs eagerly and reads its sync flag, so ``no_sync`` on it defers as usual).
+Looked up in ``sys.modules`` only: an object of such a class exists only once its module was
+imported, and ``import torch`` alone does not import dynamo."""
 
 
 def _is_forward_wrapper(module: nn.Module) -> bool:
@@ -87,9 +92,9 @@ def _is_forward_wrapper(module: nn.Module) -> bool:
 
 def sync_module(module: nn.Module) -> nn.Module:
     """The module whose gradient sync the step switches: ``module`` itself, or the DDP/FSDP module
-    inside a framework's forward wrapper (Lightning Fabric's ``_FabricModule``).
+    inside a forward wrapper (Lightning Fabric's ``_FabricModule``, torch.compile's ``OptimizedModule``).
 
-    Fabric offers no public accessor for the module it forwards through; it is a registered child
+    Neither offers a public accessor for the module it forwards through; it is a registered child
     of the wrapper, so the public ``children()`` finds it.
     """
     if isinstance(module, DistributedDataParallel) or not _is_forward_wrapper(module):

@@ -21,6 +21,9 @@ looks for the layers that break that by type and by attribute names:
   Mixtral has by default, or a coefficient of 0) and sets no expert capacity, each token is routed
   on its own and the update is exact: the finding is then a note, not an error.
 - Hazards the workload declares (``Workload.declared_hazards``), e.g. ``in-batch-negatives``.
+- Inside a compiled region (a compiled model or block, a compiled loss): a division by a Python
+  number computed from the batch, which torch.compile bakes into the graph
+  (:mod:`gradaccum.hazards.compiled`).
 
 It cannot see couplings written inside ``forward`` or the loss (functional ``batch_norm``, a loss over
 the whole batch), so every scan ends with a note that ``verify`` is the empirical check.
@@ -28,9 +31,9 @@ the whole batch), so every scan ends with a note that ``verify`` is the empirica
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch.nn as nn
 
@@ -82,7 +85,7 @@ class Finding:
 
     code: str
     """Stable rule name: ``batch-norm``, ``running-stats``, ``random-layer``, ``moe-router``,
-    ``declared-hazard``, ``note`` or ``verify``."""
+    ``declared-hazard``, ``compiled-python-denominator``, ``note`` or ``verify``."""
     severity: Severity
     """``error``: the accumulated gradient differs from the full batch's, so verify fails;
     ``warning``: gradients match, but something else changes with k (running estimates, random
@@ -497,13 +500,18 @@ def scan(
     *,
     micro_batch: int | None = None,
     declared_hazards: Iterable[str] = (),
+    loss_fn: Callable[..., Any] | None = None,
 ) -> list[Finding]:
     """Static findings for ``model`` accumulated over ``accum_steps`` micro-batches per step.
 
     ``micro_batch`` (examples per forward), when given, puts sizes into the explanations;
-    ``declared_hazards`` are couplings the workload declares for its loss. Findings come errors
-    first, then warnings, then notes; the last one always says that ``verify`` is the empirical check.
+    ``declared_hazards`` are couplings the workload declares for its loss; ``loss_fn``, when given,
+    is read too where it is compiled (:mod:`gradaccum.hazards.compiled`, as are the model's
+    compiled modules). Findings come errors first, then warnings, then notes; the last one always
+    says that ``verify`` is the empirical check.
     """
+    from gradaccum.hazards.compiled import compiled_findings  # it builds this module's Finding
+
     require_int("accum_steps", accum_steps)
     require_int("micro_batch", micro_batch, none_ok=True)
     if not isinstance(model, nn.Module):
@@ -540,6 +548,7 @@ def scan(
                 routers.append(path)
                 findings.append(_router_finding(path, module, k, model))
         findings.extend(_declared_finding(h, k, micro_batch) for h in dict.fromkeys(declared_hazards))
+    findings.extend(compiled_findings(model, loss_fn))
     findings.sort(key=lambda f: _RANK[f.severity])  # stable: model order within a severity
     findings.append(_closing_note())
     return findings

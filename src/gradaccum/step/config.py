@@ -193,6 +193,10 @@ class StepResult:
     """Why the update was skipped, on every rank alike."""
     step: int = 0
     """Optimizer updates applied so far, this one included."""
+    recompiles: int = 0
+    """Graphs ``torch.compile`` compiled in this process during the window (0 when nothing
+    compiled): the first windows of a compiled model compile; later ones should not (see
+    :mod:`gradaccum.step.compiled` for the bound and for padding varying lengths)."""
 
     @property
     def skipped(self) -> bool:

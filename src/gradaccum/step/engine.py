@@ -75,6 +75,7 @@ from gradaccum.step.agreement import (
     unreached_parameters,
 )
 from gradaccum.step.checks import as_count, check_window_shapes
+from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.noise import NoiseScale, NoiseScaleMeter
@@ -316,6 +317,7 @@ class WindowEngine:
         self._settings = rank_settings(settings, model) if same_model else settings
         self._fingerprint = fingerprint(self._settings) if self._distributed else []
         self._noise = self._noise_meter() if config.noise_scale else None
+        self._compiles = CompileCounter()  # graphs torch.compile builds during a window
         self._post = config.scaling == "post"
         if self._post:
             self._check_post()
@@ -442,6 +444,7 @@ class WindowEngine:
         """Materialize the window. Under torch.distributed a failure is returned, not raised, so
         that :meth:`count` carries it to the other ranks instead of leaving them waiting there."""
         self._distributed = dist.is_distributed(self.dp_group)
+        self._compiles.start()
         failure: LocalFailure | None = None
         try:
             micro_batches = window if type(window) is list else list(window)
@@ -652,6 +655,7 @@ class WindowEngine:
         declared number of micro-batches, or ``None`` to read one ahead.
         """
         self._distributed = distributed = dist.is_distributed(self.dp_group)
+        self._compiles.start()
         model, kind = self.model, self.kind
         if kind == "ddp":
             check_sync_on(model)
@@ -853,6 +857,7 @@ class WindowEngine:
             grad_norm=norm_host if (norm is not None and self.config.wants_norm) else None,
             applied=True,
             step=self.steps_applied,
+            recompiles=self._compiles.since(),
         )
         for hook in self.on_step:
             hook(result)
@@ -907,6 +912,7 @@ class WindowEngine:
             micro_batches=accumulated.micro_batches,
             step_base=self.steps_applied,
             wants_norm=config.wants_norm,
+            recompiles=self._compiles.since(),
         )
         for hook in self.on_step:
             hook(result)
@@ -1040,6 +1046,7 @@ class WindowEngine:
             applied=False,
             skip_reason=reason,
             step=self.steps_applied,
+            recompiles=self._compiles.since(),
         )
 
     # -- helpers --------------------------------------------------------------------------------

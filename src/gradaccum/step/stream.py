@@ -127,12 +127,21 @@ class DeviceStepResult(StepResult):
     _values: torch.Tensor
     _wants_norm: bool
 
-    def __init__(self, values: torch.Tensor, *, micro_batches: int, step_base: int, wants_norm: bool) -> None:
+    def __init__(
+        self,
+        values: torch.Tensor,
+        *,
+        micro_batches: int,
+        step_base: int,
+        wants_norm: bool,
+        recompiles: int = 0,
+    ) -> None:
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_host", None)
         object.__setattr__(self, "_step_base", step_base)
         object.__setattr__(self, "_wants_norm", wants_norm)
         object.__setattr__(self, "micro_batches", micro_batches)
+        object.__setattr__(self, "recompiles", recompiles)
 
     def resolved(self) -> StepResult:
         """A plain :class:`StepResult` with the figures read (what a copy or a pickle holds)."""
@@ -145,6 +154,7 @@ class DeviceStepResult(StepResult):
             applied=self.applied,
             skip_reason=self.skip_reason,
             step=self.step,
+            recompiles=self.recompiles,
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:

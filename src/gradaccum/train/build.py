@@ -14,14 +14,15 @@ __all__ = ["build_model", "build_optimizer"]
 
 
 def build_model(workload: Workload, config: TrainConfig, device: torch.device) -> nn.Module:
-    """The workload's model in the run's dtype and device, wrapped for data parallelism (DDP, or
-    FSDP2 with ``config.fsdp``; see :func:`gradaccum.distributed.wrap.wrap_model`)."""
+    """The workload's model in the run's dtype and device, compiled with ``config.compile``, wrapped
+    for data parallelism (DDP, or FSDP2 with ``config.fsdp``; see
+    :func:`gradaccum.distributed.wrap.wrap_model`)."""
     model = workload.build_model()
     if config.precision == "float64":
         model = model.to(torch.float64)
     model = model.to(device)
     try:
-        return wrap_model(model, device, fsdp=config.fsdp)
+        return wrap_model(model, device, fsdp=config.fsdp, compile=config.compile)
     except SyncError as exc:
         raise TrainError(f"--fsdp: {exc}") from exc
 

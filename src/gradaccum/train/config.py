@@ -78,6 +78,11 @@ class TrainConfig:
     """``cpu``, ``cuda`` or ``cuda:N``; the CLI picks ``cuda:LOCAL_RANK`` under torchrun."""
     fsdp: bool = False
     """Shard with FSDP2 ``fully_shard`` instead of replicating with DDP (multi-process runs)."""
+    compile: bool = False
+    """Compile in place (``nn.Module.compile()``, torch's default backend): the model before DDP
+    wraps it, or under FSDP2 each block after ``fully_shard`` (see
+    :func:`gradaccum.distributed.wrap.wrap_model`); ``StepResult.recompiles`` says when a window
+    compiled."""
     checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY
     """Checkpoint once this many optimizer updates were applied since the last checkpoint; ``None``:
     not by count. Whichever of this and ``checkpoint_minutes`` comes first triggers; checkpoints are
@@ -121,6 +126,8 @@ class TrainConfig:
             raise TrainError(f"lr must be a positive number, got {self.lr!r}")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise TrainError(f"weight_decay must be a non-negative number, got {self.weight_decay!r}")
+        if not isinstance(self.compile, bool):
+            raise TrainError(f"compile must be True or False, got {self.compile!r}")
         if self.fsdp and self.accum.noise_scale:
             raise TrainError(
                 "the noise scale (accum.noise_scale: --noise-scale, or --batch-schedule critical) is "

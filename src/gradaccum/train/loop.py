@@ -352,6 +352,7 @@ def _train_window(s: _Session) -> StepRecord:
         b_simple=s.acc.noise_scale.b_simple if s.acc.config.noise_scale else None,
         global_batch=plan.global_batch,
         accum_steps=plan.accum_steps,
+        recompiles=result.recompiles,
     )
 
 
@@ -428,6 +429,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
         denominator=workload.unit,
         tokens_per_step=s.tokens_per_step,
         seed=config.seed,
+        compile=config.compile,
         **environment(s.device),
         extra={
             "schedule": s.schedule.to_dict(),

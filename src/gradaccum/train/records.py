@@ -108,6 +108,8 @@ class StepRecord:
     """Examples in this window's global batch (all ranks); it changes under a batch-size schedule."""
     accum_steps: int | None = None
     """Micro-batches per rank in this window."""
+    recompiles: int = 0
+    """Graphs torch.compile compiled during this window (``StepResult.recompiles``; 0 eager)."""
     kind: str = "step"
 
 

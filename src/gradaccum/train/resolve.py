@@ -71,6 +71,7 @@ _RESOLVED = frozenset(
         "min_lr_ratio",
         "noise_scale",
         "scaling",
+        "compile",
         "checkpoint_every",
         "checkpoint_minutes",
         *BATCH_FIELDS,
@@ -145,6 +146,7 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
         "lr": _given(spec.lr, DEFAULT_LR),
         "weight_decay": _given(spec.weight_decay, DEFAULT_WEIGHT_DECAY),
         "batch_schedule": batch,
+        "compile": spec.compile,
     }
     return plan, fixed
 
@@ -214,6 +216,8 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         "optimizer": card.optimizer,
         "lr": card.lr if card.lr is not None else DEFAULT_LR,
         "weight_decay": card.weight_decay if card.weight_decay is not None else DEFAULT_WEIGHT_DECAY,
+        # compiling does not change the update: a compiled card compiles, --compile compiles any card
+        "compile": card.compile or spec.compile,
     }
     if card.optimizer == "workload":
         optimizer = "the workload's own optimizer_factory (its learning rates are the schedule's peak)"
@@ -224,7 +228,8 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         f"from run card {path}: workload {card.workload}; {card.plan.equation()}; precision "
         f"{card.precision}"
         + (" (with a GradScaler)" if card.precision == "float16" else "")
-        + f"; seed {card.seed}",
+        + f"; seed {card.seed}"
+        + ("; compiled (torch.compile)" if card.compile else ""),
         f"from run card: optimizer {optimizer}",
         f"from run card: accumulation {accum}",
     )

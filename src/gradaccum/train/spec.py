@@ -165,6 +165,8 @@ class TrainSpec:
     gradients once after it (the same update); ``None``: the run card's, else ``pre``."""
     fsdp: bool = False
     """Shard with FSDP2 instead of DDP."""
+    compile: bool = False
+    """torch.compile the model in place before DDP (a run card that says so compiles too)."""
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
     """Checkpoint every this many applied updates; 0: not by count."""
     checkpoint_minutes: float = DEFAULT_CHECKPOINT_MINUTES
