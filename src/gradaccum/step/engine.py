@@ -901,14 +901,9 @@ class WindowEngine:
         self._device_counters = torch.stack(
             [counters[0] + applied, counters[1] + 1 - applied, (counters[2] + 1) * (1 - applied)]
         )
-        missing = torch.full((), math.nan, dtype=torch.float64, device=self.device)
-        negative = self._zero if counted.min_count is None else (counted.min_count < 0).to(torch.float64)
-        values = torch.stack([
-            accumulated.loss, n.to(torch.float64), counted.local_count, applied, self._device_counters[0],
-            missing if norm is None else norm.to(torch.float64), negative,
-        ])  # fmt: skip
+        negative = self._zero if counted.min_count is None else counted.min_count < 0
         result = DeviceStepResult(
-            values,
+            (accumulated.loss, n, counted.local_count, applied, self._device_counters[0], norm, negative),
             micro_batches=accumulated.micro_batches,
             step_base=self.steps_applied,
             wants_norm=config.wants_norm,

@@ -118,18 +118,19 @@ class DeviceStepResult(StepResult):
     """A :class:`StepResult` whose figures are still on the device: the first field read copies
     them to the host in one read (a synchronization point), later reads are free.
 
-    ``values`` is float64 ``[summed loss, N, local count, applied, applied so far, norm, negative]``.
+    ``values`` are 0-dim tensors ``(summed loss, N, local count, applied, applied so far, norm or
+    None, negative)``, stacked only when read (an update builds nothing it does not need).
     """
 
     __slots__ = ("_host", "_step_base", "_values", "_wants_norm")
     _host: list[float] | None
     _step_base: int
-    _values: torch.Tensor
+    _values: Sequence[torch.Tensor | None]
     _wants_norm: bool
 
     def __init__(
         self,
-        values: torch.Tensor,
+        values: Sequence[torch.Tensor | None],
         *,
         micro_batches: int,
         step_base: int,
@@ -163,7 +164,10 @@ class DeviceStepResult(StepResult):
     def _read(self) -> list[float]:
         host: list[float] | None = object.__getattribute__(self, "_host")
         if host is None:
-            host = self._values.tolist()
+            first = next(v for v in self._values if v is not None)
+            missing = torch.full((), math.nan, dtype=torch.float64, device=first.device)
+            parts = [missing if v is None else v.to(torch.float64).reshape(()) for v in self._values]
+            host = torch.stack(parts).tolist()
             object.__setattr__(self, "_host", host)
             if host[6]:
                 raise CountError("count_fn returned a negative count; no update was applied")
