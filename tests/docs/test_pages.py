@@ -99,22 +99,29 @@ def test_a_command_page_shows_the_commands_real_output(tmp_path: Path) -> None:
     assert page.count("Exit code 0.") == len(generate.PAGES["plan"])
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(180)
-def test_the_distributed_pages_example_runs_exactly_under_torchrun() -> None:
-    script = DOCS / "examples" / "ddp_accumulate.py"
-    assert '--8<-- "examples/ddp_accumulate.py"' in (DOCS / "distributed.md").read_text(encoding="utf-8")
+def _run_example(name: str, processes: int, timeout_s: int) -> str:
+    """Run docs/examples/NAME under torchrun as the page says; the largest relative difference it
+    prints must be float64 summation-order rounding (<= 1e-12). Returns its output."""
+    assert f'--8<-- "examples/{name}"' in (DOCS / "distributed.md").read_text(encoding="utf-8")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        [*launch, str(processes), str(DOCS / "examples" / name)],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=timeout_s,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = re.search(r"largest relative difference from the full batch: (\S+)", proc.stdout)
     assert match is not None, proc.stdout
     assert float(match.group(1)) <= 1e-12  # float64, summation order only
+    return proc.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_the_distributed_pages_example_runs_exactly_under_torchrun() -> None:
+    _run_example("ddp_accumulate.py", processes=2, timeout_s=150)
 
 
 def test_every_bundled_workload_is_on_the_workloads_page() -> None:
@@ -147,17 +154,4 @@ def test_links_in_the_repository_lead_to_a_file_or_say_the_page_is_generated() -
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_the_mesh_example_runs_exactly_on_four_processes() -> None:
-    script = DOCS / "examples" / "mesh_accumulate.py"
-    assert '--8<-- "examples/mesh_accumulate.py"' in (DOCS / "distributed.md").read_text(encoding="utf-8")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "mesh dp_shard=2 x tp=2: " in proc.stdout
-    match = re.search(r"largest relative difference from the full batch: (\S+)", proc.stdout)
-    assert match is not None, proc.stdout
-    assert float(match.group(1)) <= 1e-12  # float64, summation order only
+    assert "mesh dp_shard=2 x tp=2: " in _run_example("mesh_accumulate.py", processes=4, timeout_s=280)
