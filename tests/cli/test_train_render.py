@@ -14,7 +14,7 @@ from gradaccum.cli.train_render import TrainRenderer, loss_summary
 def _record(window: int) -> Any:
     return SimpleNamespace(
         window=window, window_tokens=100, step_time_ms=10.0, loss=5.0 - window / 1000, lr=1e-3,
-        tokens=100 * (window + 1), applied=True, skipped=0, skip_reason=None,
+        tokens=100 * (window + 1), applied=True, skipped=0, skip_reason=None, recompiles=0,
     )  # fmt: skip
 
 
