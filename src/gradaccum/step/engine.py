@@ -607,7 +607,9 @@ class WindowEngine:
         ledger.add("gradient", self._zero if gradient is None else gradient, summed=squares)
         if noise is not None:
             # every rank's micro-batches are small batches: P and K are summed over ranks
-            small, batches, big, sigma = noise.window_sums(counted.counts, norm, self.scaler)
+            small, batches, big, sigma = noise.window_sums(
+                counted.counts, norm, self.scaler, rescale=counted.post_factor()
+            )
             ledger.add("noise_small", small, summed=self._distributed)
             ledger.add("noise_batches", batches, summed=self._distributed)
             ledger.add("noise_global", torch.stack([big, sigma]), summed=False)

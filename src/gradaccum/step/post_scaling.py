@@ -45,13 +45,6 @@ class PostScalingEngine(WindowEngine):
 
     def _check_post(self) -> None:
         """Refuse what post-scaling cannot do, before the first window."""
-        config = self.config
-        if config.noise_scale:
-            raise ConfigError(
-                "noise_scale=True is not supported with scaling='post': the estimate reads each "
-                "micro-batch's gradient scaled by W/N, which post-scaling knows only after the window. "
-                "Measure the noise scale with scaling='pre'."
-            )
         if self._distributed and self.kind != "local" and self._policy != "defer":
             raise ConfigError(
                 f"scaling='post' under torch.distributed needs sync_policy='defer' and defer_sync=True "
@@ -71,6 +64,7 @@ class PostScalingEngine(WindowEngine):
             and self.config.max_consecutive_skips is None
             and self.layout is None
             and self.kind in ("local", "ddp")
+            and self._noise is None  # its figures are read with the verdict
         )
 
     def stream(
@@ -98,6 +92,9 @@ class PostScalingEngine(WindowEngine):
         failure: LocalFailure | None = None
         k = 0
         resync = self._resync
+        noise = self._noise
+        if noise is not None:
+            noise.start()
         pieces = with_last(window, length)
         self.emit("window_start", length or 0)
         ahead: list[tuple[int, Any, bool] | None] = []
@@ -144,6 +141,8 @@ class PostScalingEngine(WindowEngine):
                     )  # fmt: skip
                     if syncs and piece is not None:
                         self._sync_backward(piece.backprop, i)
+                    if noise is not None:
+                        noise.fold()
                     self.emit("micro_end", i)
                     assert reduced is not None
                     self._expected = counted.global_count / self.factor
@@ -155,6 +154,8 @@ class PostScalingEngine(WindowEngine):
                     self._fail_alone(failure)
                 if syncs and piece is not None:
                     self._sync_backward(piece.backprop, i)
+            if noise is not None:
+                noise.fold()  # this micro-batch's |c s_j|^2, from the hooks its backward ran
             self.emit("micro_end", i)
             if last:
                 break
@@ -293,8 +294,9 @@ class PostScalingEngine(WindowEngine):
     ) -> StepResult:
         """The backward ran on c * summed loss: multiply the gradients by W/(N c) once (foreach),
         then decide as under pre-scaling, or on the device where the optimizer reads found_inf."""
-        assert counted.post is not None
-        scale_grads_(grads, counted.scale() / counted.post)
+        factor = counted.post_factor()
+        assert factor is not None
+        scale_grads_(grads, factor)
         if self._on_device and objective is None and rejection is None:
             return self._conclude_on_device(counted, accumulated, params, grads)
         return super()._decide(counted, accumulated, params, grads, objective, rejection)

@@ -75,6 +75,11 @@ class WindowCount:
         inverse = torch.reciprocal(self.global_count.clamp(min=1))
         return inverse if self.factor == 1 else inverse.mul_(self.factor)
 
+    def post_factor(self) -> torch.Tensor | None:
+        """Post-scaling's W/(N c): what turns the gradients its backwards left into pre-scaling's;
+        ``None`` under pre-scaling."""
+        return None if self.post is None else self.scale() / self.post
+
 
 class Contribution(NamedTuple):
     """What one micro-batch hands the engine once its forward ran."""
