@@ -10,9 +10,12 @@ the W ranks' gradients, which divides by W once more, so each rank scales by W/N
 Everything that belongs to the optimizer step (zero_grad, unscale, clip, step, scheduler, hooks)
 runs once per window; nothing runs per micro-batch except forward and backward.
 
-Both accumulators compose this engine: :class:`~gradaccum.step.accumulator.Accumulator` hands
+Every front end composes this engine: :class:`~gradaccum.step.accumulator.Accumulator` hands
 it the loss of each micro-batch, :class:`~gradaccum.cache.accumulator.CachedAccumulator` the
-replayed representations times their cached gradients. The phases are
+replayed representations times their cached gradients, the pipeline its schedule's losses;
+post-scaling (:mod:`gradaccum.step.post_scaling`) is this engine with phases 1-3 streamed and the
+gradients scaled once before phase 4. What flows between the phases is :mod:`gradaccum.step.window`.
+The phases are
 
 1. :meth:`WindowEngine.open`: materialize the window (a failure here is *returned*, for 2);
 2. :meth:`WindowEngine.count`: count every micro-batch and agree on N across ranks: collective 1,
@@ -88,24 +91,12 @@ from gradaccum.step.window import (
     CountFn,
     CountTotals,
     Observer,
-    StreamContribute,
     WindowCount,
     WindowTotals,
 )
 from gradaccum.values import require_int
 
-__all__ = [
-    "ZERO_COUNT",
-    "Accumulated",
-    "Backward",
-    "Contribute",
-    "Contribution",
-    "CountFn",
-    "Observer",
-    "StreamContribute",
-    "WindowCount",
-    "WindowEngine",
-]
+__all__ = ["WindowEngine"]
 
 _STATE_KEYS = ("steps_applied", "steps_skipped", "consecutive_skips")
 _NOISE_KEY = "noise"
