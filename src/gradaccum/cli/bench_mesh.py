@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from gradaccum.cli.common import EXIT_BAD_INPUT, EXIT_OK, console, escape, parse_size, workload_spec
-from gradaccum.errors import BenchError, PlanError
+from gradaccum.errors import BenchError, ConfigError, PlanError
 
 if TYPE_CHECKING:
     from gradaccum.bench.mesh import MeshBench, PolicyBench
@@ -47,10 +47,16 @@ def run_mesh(args: argparse.Namespace) -> int:
 
     from gradaccum.bench.mesh import bench_mesh
     from gradaccum.check.workload import load_workload
-    from gradaccum.mesh.layout import parse_mesh
+    from gradaccum.mesh.layout import parse_mesh, role_sizes
 
     _refuse_sweep_options(args)
     shape = parse_mesh(args.mesh)
+    sizes = role_sizes(shape)
+    if sizes["cp"] > 1 or sizes["pp"] > 1:
+        raise ConfigError(
+            f"--mesh {args.mesh}: bench measures FSDP2's sync policies over data and tensor parallel "
+            "dimensions (dp_replicate, dp_shard, tp); leave out cp and pp"
+        )
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     ranks = math.prod(shape.values())
     if "WORLD_SIZE" not in os.environ:
