@@ -23,7 +23,7 @@ from gradaccum.bench.mesh.advice import PolicyAdvice, advise_policy
 from gradaccum.bench.mesh.counting import MeshCommCounter, fsdp_units, gradient_bytes_held
 from gradaccum.bench.mesh.model import Traffic, held_model, policy_model
 from gradaccum.check.workload import Workload
-from gradaccum.errors import ConfigError
+from gradaccum.errors import ConfigError, WorkloadError
 from gradaccum.fielddocs import document_fields
 from gradaccum.mesh.layout import DATA_ROLES, MeshLayout
 from gradaccum.step.accumulator import Accumulator
@@ -184,10 +184,18 @@ def bench_mesh(
     for policy in policies:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = parallelize(workload.build_model(), mesh)
+            model = workload.build_model()
+            try:
+                model = parallelize(model, mesh)
+            except Exception as exc:  # every rank raises alike: exit 2, never a traceback or hang
+                raise WorkloadError(
+                    f"the parallelize(model, mesh) of workload {workload.name!r} failed on the mesh "
+                    f"{layout.describe()}: {type(exc).__name__}: {exc}. Give a mesh whose dimensions it "
+                    "uses, or make it handle this one."
+                ) from exc
         if not counter.watch(model):
             raise ConfigError(
-                f"workload {workload.name!r}'s parallelize returned a model without FSDP2 units: bench "
+                f"the parallelize of workload {workload.name!r} returned a model without FSDP2 units: bench "
                 "--mesh measures FSDP2's sync policies (fully_shard over dp_shard, or dp_replicate x "
                 "dp_shard for HSDP)"
             )
