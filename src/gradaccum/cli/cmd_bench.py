@@ -4,6 +4,7 @@ checkpointing and FSDP2 sharding as further dimensions, and advise for a memory 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from gradaccum.cli.common import (
     EXIT_FAILED,
@@ -28,6 +29,11 @@ from gradaccum.cli.common import (
 )
 from gradaccum.cli.heartbeat import Heartbeat, progress_stage
 from gradaccum.errors import PlanError
+
+if TYPE_CHECKING:  # --help imports no torch
+    from pathlib import Path
+
+    from gradaccum.bench.sweep import SweepResult, SweepSpec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -111,42 +117,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
+    """Flags -> :class:`SweepSpec` -> the sweep (worker processes) -> the run folder -> the tables."""
     from gradaccum.bench.checkpointing import check_checkpointing, checkpoint_blocks
-    from gradaccum.bench.report import (
-        checkpointing_lines,
-        comm_rows,
-        compile_lines,
-        fmt_bytes,
-        fsdp2_rows,
-        memory_predictions,
-        memory_rows,
-        phase_lines,
-        time_rows,
-    )
     from gradaccum.bench.runfolder import new_run_folder, write_sweep_folder
-    from gradaccum.bench.sweep import SweepSpec, run_sweep
+    from gradaccum.bench.sweep import run_sweep
     from gradaccum.check.workload import load_workload
     from gradaccum.runcard import environment
 
     check_output_folder(args.out_dir, "--out-dir")
     dp = resolve_dp(args.dp)
     device = resolve_device(args.device, dp)
-    plans = None
-    if args.configs:
-        plans = tuple(parse_plan(t, dp) for t in args.configs.split(",") if t.strip())
-        if not plans:
-            raise PlanError(f"--configs {args.configs!r} names no configuration; give e.g. --configs 8x1,4x2")
-    spec = SweepSpec(
-        workload=workload_spec(args),
-        global_batch=args.global_batch,
-        dp=dp,
-        plans=plans,
-        settings=measure_settings(args, device),
-        memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
-        checkpointing=_modes(args.checkpointing),
-        sharding=_modes(args.sharding),
-        compile=(False, True) if args.compile else (False,),
-    )
+    spec = _sweep_spec(args, dp, device)
     # workers import the workload themselves; loading it here first turns a workload that cannot load
     # (or a plan that cannot fit) into exit 2 naming the problem, before any worker is spawned
     beat.stage("loading the workload and estimating its memory")
@@ -181,12 +162,53 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     beat.stage("done")
     if args.json:
         print((folder / "results.json").read_text(encoding="utf-8"), end="")
-        return code
+    else:
+        _render(result, device, folder)
+    return code
+
+
+def _sweep_spec(args: argparse.Namespace, dp: int, device: str) -> SweepSpec:
+    """The sweep the flags describe."""
+    from gradaccum.bench.sweep import SweepSpec
+
+    plans = None
+    if args.configs:
+        plans = tuple(parse_plan(t, dp) for t in args.configs.split(",") if t.strip())
+        if not plans:
+            raise PlanError(f"--configs {args.configs!r} names no configuration; give e.g. --configs 8x1,4x2")
+    return SweepSpec(
+        workload=workload_spec(args),
+        global_batch=args.global_batch,
+        dp=dp,
+        plans=plans,
+        settings=measure_settings(args, device),
+        memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
+        checkpointing=_modes(args.checkpointing),
+        sharding=_modes(args.sharding),
+        compile=(False, True) if args.compile else (False,),
+    )
+
+
+def _render(result: SweepResult, device: str, folder: Path) -> None:
+    """The sweep's tables and the advice, on the console."""
+    from gradaccum.bench.report import (
+        checkpointing_lines,
+        comm_rows,
+        compile_lines,
+        fmt_bytes,
+        fsdp2_rows,
+        memory_predictions,
+        memory_rows,
+        phase_lines,
+        time_rows,
+    )
+
+    spec = result.spec
     mm = result.memory_model
     predictions = memory_predictions(result)
     console.print(
-        f"global batch {spec.global_batch} = micro-batch x dp {dp} x accumulation; runs per configuration: "
-        f"{spec.settings.runs}, interleaved, a fresh process each; precision {spec.settings.precision}; "
+        f"global batch {spec.global_batch} = micro-batch x dp {spec.dp} x accumulation; runs per "
+        f"configuration: {spec.settings.runs}, interleaved, a fresh process each; precision {spec.settings.precision}; "
         f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
     )
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(result.configs)))
@@ -240,4 +262,3 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
             + (" (runcard.json records it)" if result.card is not None else "")
         )
     console.print(f"run folder: {escape(str(folder))}")
-    return code
