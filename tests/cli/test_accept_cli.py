@@ -249,6 +249,7 @@ def test_pre_and_post_scaling_compete_as_two_arms_and_the_card_trains_the_chosen
     paired = [(r["spec"]["baseline"]["scaling"], r["spec"]["candidate"]["scaling"]) for r in results["runs"]]
     assert paired == [("post", "pre")] * 3
     assert [r["spec"]["scaling"] for r in results["memory_runs"]] == ["post", "pre"]
+    assert "measuring 4x2 post vs 4x2 pre run 3" in out  # the progress lines tell the arms apart
     # both pass the float64 check against the full batch, each with its own accumulator, and the traces
     equivalence = results["equivalence"]
     assert [(p["label"], p["passed"]) for p in equivalence["params"]] == [

@@ -413,7 +413,11 @@ class PairedSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.baseline.label} vs {self.candidate.label}"
+        """``8x4 vs 4x8``; with the scalings once an arm post-scales: ``4x8 pre vs 4x8 post``."""
+        b, c = self.baseline, self.candidate
+        if "post" in (b.scaling, c.scaling):
+            return f"{b.label} {b.scaling} vs {c.label} {c.scaling}"
+        return f"{b.label} vs {c.label}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
