@@ -106,6 +106,15 @@ def _ddp_post(rank: int, world: int) -> dict[str, Any]:
         out["empty"] = None
     except Exception as exc:
         out["empty"] = (type(exc).__name__, str(exc))
+    # 6. the noise scale: every rank's micro-batches are small batches, in both modes alike
+    for scaling in ("pre", "post"):
+        ddp = DDP(models.gpt(), broadcast_buffers=False)
+        acc = Accumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), scaling=scaling, noise_scale=True)
+        for seed in (13, 14):
+            noisy = rank_slice(models.gpt_batch(8, seed=seed), BOUNDS, rank)
+            window = _lazy(noisy, SIZES[rank]) if scaling == "post" else split(noisy, sizes=SIZES[rank])
+            acc.step(window, models.gpt_loss, models.tokens)
+        out["noise " + scaling] = acc.noise_scale.to_dict()
     return out
 
 
@@ -123,6 +132,16 @@ def test_post_equals_pre_and_the_full_batch_with_uneven_ranks(ddp_runs: list[dic
         pre_loss, pre_n, pre_local, pre_k = r["pre result"]
         assert loss == pytest.approx(pre_loss, rel=1e-12) and (n, local, k) == (pre_n, pre_local, pre_k)
     assert [r["post result"][3] for r in ddp_runs] == [3, 2]
+
+
+def test_the_noise_scale_is_the_same_figure_in_both_modes(ddp_runs: list[dict[str, Any]]) -> None:
+    """P and K summed over ranks; 1e-9 as in tests/equivalence/test_post_scaling.py (the estimate
+    cancels); a missing rescale by (W/(N c))^2 is off by a factor of 4 or more."""
+    for run in ddp_runs:
+        pre, post = run["noise pre"], run["noise post"]
+        assert post["samples"] == pre["samples"] == 2
+        for name in ("trace_cov", "grad_sq", "window_trace_cov", "window_grad_sq"):
+            assert post[name] == pytest.approx(pre[name], rel=1e-9), name
 
 
 def test_a_zero_token_rank_contributes_nothing(ddp_runs: list[dict[str, Any]]) -> None:

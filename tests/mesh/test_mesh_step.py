@@ -47,8 +47,11 @@ def _fsdp_tp(variant: str) -> dict[str, Any]:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
-    clip = CLIP if variant == "clip" else None
-    acc = gradaccum.Accumulator(model, _sgd(model), mesh=mesh, max_grad_norm=clip, track_grad_norm=True)
+    clip = CLIP if variant in ("clip", "post clip") else None
+    scaling = "post" if variant.startswith("post") else "pre"
+    acc = gradaccum.Accumulator(
+        model, _sgd(model), mesh=mesh, max_grad_norm=clip, track_grad_norm=True, scaling=scaling
+    )
     d = mesh.get_coordinate()[0]
     local = models.rows(models.batch(8), *TP_ROWS[d])
     result = acc.step(gradaccum.split(local, sizes=TP_SIZES[d]), models.loss_fn, models.count_fn)
@@ -96,7 +99,7 @@ def _full(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"ids": data["ids"], "labels": torch.randint(0, models.VOCAB, data["labels"].shape, generator=gen)}
 
 
-def _hsdp(policy: str) -> dict[str, Any]:
+def _hsdp(policy: str, scaling: str = "pre") -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -110,7 +113,7 @@ def _hsdp(policy: str) -> dict[str, Any]:
     for unit in units:
         fully_shard(unit, mesh=mesh)
     comms = count_fsdp2_comms(units)
-    acc = gradaccum.Accumulator(model, _sgd(model), mesh=mesh, sync_policy=policy)
+    acc = gradaccum.Accumulator(model, _sgd(model), mesh=mesh, sync_policy=policy, scaling=scaling)
     rank = dist.get_rank()
     local = models.rows(models.batch(10), *HSDP_ROWS[rank])
     window = gradaccum.split(local, sizes=HSDP_SIZES[rank])
@@ -182,11 +185,12 @@ def _refusals() -> dict[str, str]:
 
 def _mesh_rank(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for variant in ("average", "sum", "clip"):
+    for variant in ("average", "sum", "clip", "post", "post clip"):
         out[f"tp {variant}"] = _fsdp_tp(variant)
     out["cp"] = _dp_cp()
     for policy in ("defer", "defer_replicate", "every"):
         out[f"hsdp {policy}"] = _hsdp(policy)
+    out["hsdp post"] = _hsdp("defer", "post")
     out["refusals"] = _refusals()
     out["verify"] = _verify()
     return out
@@ -206,7 +210,7 @@ def ranks() -> list[dict[str, Any]]:
     return values(run_ranks(_mesh_rank, world=4, timeout_s=420))
 
 
-@pytest.mark.parametrize("variant", ["average", "sum"])
+@pytest.mark.parametrize("variant", ["average", "sum", "post"])
 def test_fsdp2_x_tensor_parallel_equals_the_full_batch(ranks: list[dict[str, Any]], variant: str) -> None:
     want, start = models.reference_update(models.TinyTransformer(), models.batch(8))
     n = models.count_fn(models.batch(8))
@@ -225,9 +229,10 @@ def test_clipping_by_the_norm_over_every_shard_and_mesh(ranks: list[dict[str, An
     assert norm > 10 * CLIP  # the clip bites
     want, start = models.reference_update(models.TinyTransformer(), data, max_grad_norm=CLIP)
     for r in ranks:
-        got = r["tp clip"]
-        assert abs(got["norm"] - norm) < 1e-10 * norm
-        assert models.update_error(got["params"], want, start) < EXACT
+        for variant in ("clip", "post clip"):
+            got = r[f"tp {variant}"]
+            assert abs(got["norm"] - norm) < 1e-10 * norm, variant
+            assert models.update_error(got["params"], want, start) < EXACT, variant
 
 
 def test_data_x_context_parallel_with_an_empty_half(ranks: list[dict[str, Any]]) -> None:
@@ -260,6 +265,19 @@ def test_hsdp_sync_policies_are_exact_with_their_declared_collectives(
         assert models.update_error(got["params"], want, start) < EXACT
         assert (got["reduce_scatters"], got["replica_all_reduces"]) == DECLARED[policy]
         assert got["step_all_reduces"] == 2  # the step's own: the counts, the end of the window
+
+
+def test_post_scaling_on_hsdp_is_exact_with_the_same_gradient_collectives(
+    ranks: list[dict[str, Any]],
+) -> None:
+    want, start = models.reference_update(models.TinyTransformer(), models.batch(10))
+    for r in ranks:
+        got = r["hsdp post"]
+        assert models.update_error(got["params"], want, start) < EXACT
+        assert (got["reduce_scatters"], got["replica_all_reduces"]) == DECLARED["defer"]
+        # the step's own: the declared lengths (FSDP all-gathers in every forward), the meeting
+        # before the synchronizing backward (N, loss, failures), the norm's squares after it
+        assert got["step_all_reduces"] == 3
 
 
 def test_bad_meshes_and_disagreeing_tp_counts_are_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:

@@ -39,8 +39,9 @@ from gradaccum.loss import count_examples
 from gradaccum.rng import RngState, capture_rng, replaying
 from gradaccum.step.agreement import LocalFailure
 from gradaccum.step.config import AccumConfig, StepResult
-from gradaccum.step.engine import ZERO_COUNT, Contribute, Contribution, CountFn, Observer, WindowEngine
+from gradaccum.step.engine import WindowEngine
 from gradaccum.step.face import EngineFace
+from gradaccum.step.window import ZERO_COUNT, Contribute, Contribution, CountFn, Observer
 
 __all__ = ["DEFAULT_REPLAY_RTOL", "CachedAccumulator", "EncodeFn", "RepLossFn"]
 

@@ -12,7 +12,7 @@ from gradaccum.cache.accumulator import CachedAccumulator, EncodeFn, RepLossFn
 from gradaccum.check.workload import Workload
 from gradaccum.errors import WorkloadError
 from gradaccum.loss import count_examples
-from gradaccum.step.engine import CountFn
+from gradaccum.step.window import CountFn
 
 __all__ = ["CandidateStep", "cached_candidate", "cached_candidate_for"]
 

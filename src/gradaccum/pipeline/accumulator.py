@@ -25,8 +25,9 @@ import torch.nn as nn
 
 from gradaccum.errors import ConfigError
 from gradaccum.step.config import AccumConfig, StepResult
-from gradaccum.step.engine import Accumulated, CountFn, WindowEngine
+from gradaccum.step.engine import WindowEngine
 from gradaccum.step.face import EngineFace
+from gradaccum.step.window import Accumulated, CountFn
 
 __all__ = ["SCHEDULES", "PipelineAccumulator", "StageLossFn"]
 

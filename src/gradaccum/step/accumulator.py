@@ -16,18 +16,12 @@ import torch.nn as nn
 from gradaccum.errors import ConfigError
 from gradaccum.step.checks import check_loss, unmean
 from gradaccum.step.config import AccumConfig, StepResult
-from gradaccum.step.engine import (
-    ZERO_COUNT,
-    Backward,
-    Contribution,
-    CountFn,
-    Observer,
-    WindowCount,
-    WindowEngine,
-)
+from gradaccum.step.engine import WindowEngine
 from gradaccum.step.face import EngineFace
 from gradaccum.step.noise import NoiseScale
+from gradaccum.step.post_scaling import PostScalingEngine
 from gradaccum.step.stream import declared_length
+from gradaccum.step.window import ZERO_COUNT, Backward, Contribution, CountFn, Observer, WindowCount
 
 __all__ = [
     "ZERO_COUNT",
@@ -86,7 +80,8 @@ class Accumulator(EngineFace):
         if max_grad_norm is not None:  # the one setting also taken positionally; None = not given
             settings["max_grad_norm"] = max_grad_norm
         config = AccumConfig.resolve(config, settings)
-        self._engine = WindowEngine(
+        engine = PostScalingEngine if config.scaling == "post" else WindowEngine
+        self._engine: WindowEngine = engine(
             model,
             optimizer,
             config,
@@ -180,5 +175,6 @@ class Accumulator(EngineFace):
                 contribution = scaler.scale(contribution)
             return Contribution(contribution, loss.detach())
 
+        assert isinstance(engine, PostScalingEngine)
         counted, accumulated = engine.stream(window, contribute, count_fn, length=length)
         return engine.conclude(counted, accumulated)

@@ -10,9 +10,12 @@ the W ranks' gradients, which divides by W once more, so each rank scales by W/N
 Everything that belongs to the optimizer step (zero_grad, unscale, clip, step, scheduler, hooks)
 runs once per window; nothing runs per micro-batch except forward and backward.
 
-Both accumulators compose this engine: :class:`~gradaccum.step.accumulator.Accumulator` hands
+Every front end composes this engine: :class:`~gradaccum.step.accumulator.Accumulator` hands
 it the loss of each micro-batch, :class:`~gradaccum.cache.accumulator.CachedAccumulator` the
-replayed representations times their cached gradients. The phases are
+replayed representations times their cached gradients, the pipeline its schedule's losses;
+post-scaling (:mod:`gradaccum.step.post_scaling`) is this engine with phases 1-3 streamed and the
+gradients scaled once before phase 4. What flows between the phases is :mod:`gradaccum.step.window`.
+The phases are
 
 1. :meth:`WindowEngine.open`: materialize the window (a failure here is *returned*, for 2);
 2. :meth:`WindowEngine.count`: count every micro-batch and agree on N across ranks: collective 1,
@@ -34,9 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -79,148 +81,25 @@ from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.noise import NoiseScale, NoiseScaleMeter
-from gradaccum.step.norms import clip_grads_, nonfinite_flag, scale_grads_, total_norm, uniform_plain
-from gradaccum.step.stream import DeviceStepResult, post_constant, reads_found_inf, with_last
+from gradaccum.step.norms import clip_grads_, nonfinite_flag, total_norm, uniform_plain
+from gradaccum.step.window import (
+    ZERO_COUNT,
+    Accumulated,
+    Backward,
+    Contribute,
+    Contribution,
+    CountFn,
+    CountTotals,
+    Observer,
+    WindowCount,
+    WindowTotals,
+)
 from gradaccum.values import require_int
 
-__all__ = [
-    "ZERO_COUNT",
-    "Accumulated",
-    "Backward",
-    "Contribute",
-    "Contribution",
-    "CountFn",
-    "Observer",
-    "StreamContribute",
-    "WindowCount",
-    "WindowEngine",
-]
+__all__ = ["WindowEngine"]
 
-CountFn = Callable[[Any], "int | torch.Tensor"]
-"""``count_fn(micro_batch)``: how many units ``loss_fn`` sums over (valid tokens, examples)."""
-Observer = Callable[[str, int], None]
-"""Called with (event, micro-batch index) at phase boundaries; used by the benchmarks' timers."""
-Backward = Callable[[torch.Tensor], None]
-"""``backward(tensor)``: backpropagate one micro-batch's scaled loss. ``Tensor.backward`` by
-default; a framework whose backward must run its own hooks passes its own (Lightning's
-``LightningModule.manual_backward``)."""
-
-ZERO_COUNT = "the window holds zero valid units on every rank"
 _STATE_KEYS = ("steps_applied", "steps_skipped", "consecutive_skips")
 _NOISE_KEY = "noise"
-
-
-@dataclass(frozen=True, slots=True)
-class WindowCount:
-    """The counts of one window: per micro-batch, this rank's, and all ranks' (the N of W/N)."""
-
-    counts: list[int | torch.Tensor]
-    """``count_fn`` of each micro-batch, as returned (ints or 0-dim integer tensors)."""
-    local_count: torch.Tensor
-    """This rank's units, float64 on the model's device."""
-    global_count: torch.Tensor
-    """Every rank's units, float64 on the model's device: the N of W/N."""
-    global_host: int | None
-    """N on the host: known before the first backward under torch.distributed, else None."""
-    min_count: torch.Tensor | None
-    """The smallest tensor count (a negative one is refused where the step reads the device)."""
-    world: int
-    """Ranks that met in the counts all-reduce (1 on one process)."""
-    factor: float
-    """The W of W/N: what the model's gradient reductions divide by (1 for a plain module; see
-    :func:`gradaccum.mesh.reduction.averaging_factor`)."""
-    post: torch.Tensor | None = None
-    """Post-scaling's constant c (0-dim float64): the backward ran on c * summed loss, and the
-    gradients still need W/(N c) (:mod:`gradaccum.step.stream`); ``None`` under pre-scaling."""
-
-    @property
-    def empty(self) -> bool:
-        """Zero units on every rank, known on the host without reading the device."""
-        if self.global_host is not None:
-            return self.global_host == 0
-        return all(isinstance(c, int) for c in self.counts) and not any(self.counts)
-
-    def scale(self) -> torch.Tensor:
-        """W / N (N at least 1): what each micro-batch's summed loss is multiplied by."""
-        inverse = torch.reciprocal(self.global_count.clamp(min=1))
-        return inverse if self.factor == 1 else inverse.mul_(self.factor)
-
-
-class Contribution(NamedTuple):
-    """What one micro-batch hands the engine once its forward ran."""
-
-    backprop: torch.Tensor
-    """The scalar to backpropagate, already scaled by W/N (and by the GradScaler)."""
-    loss: torch.Tensor | None = None
-    """This micro-batch's summed loss, for the window's reported mean; ``None`` when the loss is
-    the whole window's objective (gradient caching)."""
-    rejected: torch.Tensor | None = None
-    """0-dim; non-zero when this micro-batch must veto the update on every rank (a replay that did
-    not reproduce its first pass)."""
-
-
-Contribute = Callable[[int, Any], Contribution]
-"""``contribute(index, micro_batch)``: run the forward of one micro-batch, return its contribution."""
-StreamContribute = Callable[[int, Any, "int | torch.Tensor", torch.Tensor], Contribution]
-"""``contribute(index, micro_batch, count, c)`` under post-scaling: the forward, backprop = c * sum."""
-
-
-@dataclass(frozen=True, slots=True)
-class Accumulated:
-    """What the micro-batch loop leaves for :meth:`WindowEngine.conclude`."""
-
-    loss: torch.Tensor
-    """The window's summed loss (0-dim float64): global when the ranks met with it, else local."""
-    rejected: torch.Tensor
-    """Micro-batches that vetoed the update (0-dim float64), global when ``loss_is_global``."""
-    loss_is_global: bool
-    """Whether the sums above already cover every rank."""
-    micro_batches: int
-    """Micro-batches in this rank's window."""
-
-
-@dataclass(frozen=True, slots=True)
-class CountTotals:
-    """The counts all-reduce, read on every rank: sums over the data-parallel ranks."""
-
-    global_count: float
-    """N: every rank's units."""
-    empty_ranks: float
-    """Ranks whose window holds no micro-batch."""
-    negative_ranks: float
-    """Ranks where ``count_fn`` returned a negative tensor count."""
-    micro_batches: float
-    """sum of k over ranks; with :attr:`micro_batches_squared`, all k are equal iff
-    W * sum(k^2) == sum(k)^2."""
-    micro_batches_squared: float
-    failed_ranks: float
-    """Ranks that failed while reading or counting their window."""
-    oom_ranks: float
-    """Of those, ranks whose failure was an out-of-memory error."""
-    broadcasting_ranks: float
-    """DDP ranks whose next forward broadcasts module buffers (all or none must)."""
-    fingerprint: list[float]
-    """The settings and model fingerprint (:func:`gradaccum.step.agreement.fingerprint`)."""
-    missed_ranks: float = 0.0
-    """Post-scaling under DDP: ranks whose synchronizing backward would miss a parameter."""
-
-
-@dataclass(frozen=True, slots=True)
-class WindowTotals:
-    """The end-of-window summary, read once on every rank (the step's one host read on one process)."""
-
-    loss: float
-    """The window's summed loss over every rank (or the given objective)."""
-    rejected: float
-    """Micro-batches, over every rank, that vetoed the update."""
-    gradient: float
-    """The global pre-clip gradient norm, or the non-finite flag when no norm was computed."""
-    global_count: float
-    local_count: float
-    smallest_count: float
-    """The smallest tensor count (negative: refused); 0 when every count was an int."""
-    noise: list[float] = field(default_factory=list)
-    """[P, K, |grad|^2, sigma] with ``noise_scale=True`` (:mod:`gradaccum.step.noise`)."""
 
 
 class WindowEngine:
@@ -318,14 +197,6 @@ class WindowEngine:
         self._fingerprint = fingerprint(self._settings) if self._distributed else []
         self._noise = self._noise_meter() if config.noise_scale else None
         self._compiles = CompileCounter()  # graphs torch.compile builds during a window
-        self._post = config.scaling == "post"
-        if self._post:
-            self._check_post()
-        # post-scaling with a found_inf optimizer decides the skip on the device; the counters of
-        # the updates it decided stay there too, [applied, skipped, consecutive], until read
-        self._on_device = self._post and self._decides_on_device()
-        self._device_counters: torch.Tensor | None = None
-        self._expected: torch.Tensor | None = None  # post-scaling: the last window's N / F (on the device)
         # DDP that broadcasts buffers in a window's first forward (the same on every rank)
         self._broadcasts = (
             self.kind == "ddp"
@@ -336,36 +207,6 @@ class WindowEngine:
                 )
             )
             and any(True for _ in self._synced.buffers())
-        )
-
-    def _check_post(self) -> None:
-        """Refuse what post-scaling cannot do, before the first window."""
-        config = self.config
-        if config.noise_scale:
-            raise ConfigError(
-                "noise_scale=True is not supported with scaling='post': the estimate reads each "
-                "micro-batch's gradient scaled by W/N, which post-scaling knows only after the window. "
-                "Measure the noise scale with scaling='pre'."
-            )
-        if self._distributed and self.kind != "local" and self._policy != "defer":
-            raise ConfigError(
-                f"scaling='post' under torch.distributed needs sync_policy='defer' and defer_sync=True "
-                f"(got {self._policy!r}): a rank does not know its window's length before its last "
-                "micro-batch, so only the last backward may synchronize."
-            )
-
-    def _decides_on_device(self) -> bool:
-        """Whether the skip decision can stay on the device (see :mod:`gradaccum.step.stream`):
-        the optimizer reads ``found_inf``, and nothing else needs the verdict on the host (a
-        scheduler must not advance on a skipped update, ``max_consecutive_skips`` counts skips, a
-        GradScaler keeps its own found_inf)."""
-        return (
-            reads_found_inf(self.optimizer)
-            and self.scaler is None
-            and self.scheduler is None
-            and self.config.max_consecutive_skips is None
-            and self.layout is None
-            and self.kind in ("local", "ddp")
         )
 
     def _noise_meter(self) -> NoiseScaleMeter:
@@ -402,15 +243,8 @@ class WindowEngine:
         return state
 
     def settle_counters(self) -> None:
-        """Add the updates decided on the device to the host counters (one host read, if any)."""
-        if self._device_counters is None:
-            return
-        applied, skipped, consecutive = (int(v) for v in self._device_counters.tolist())
-        self._device_counters = None
-        self.steps_applied += applied
-        self.steps_skipped += skipped
-        if applied or skipped:
-            self.consecutive_skips = consecutive
+        """Bring counters kept on the device to the host: nothing to do here, where every verdict
+        is read on the host (post-scaling's device verdict overrides it)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, refusing missing, unknown or negative values. A state without
@@ -432,7 +266,6 @@ class WindowEngine:
                 f"accumulator state has consecutive_skips={state['consecutive_skips']} > "
                 f"steps_skipped={state['steps_skipped']}: not a state a run can reach"
             )
-        self._device_counters = None
         if self._noise is not None and _NOISE_KEY in state:
             self._noise.load_state_dict(state[_NOISE_KEY])  # validates before changing anything
         for key in _STATE_KEYS:
@@ -642,165 +475,6 @@ class WindowEngine:
         rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self._zero
         return Accumulated(loss, rejected, False, len(micro_batches))
 
-    def stream(
-        self, window: Iterable[Any], contribute: StreamContribute, count_fn: CountFn, *, length: int | None
-    ) -> tuple[WindowCount, Accumulated]:
-        """Post-scaling's phases 1-3 in one pass: read, count, forward and backward each micro-batch
-        as it arrives (:mod:`gradaccum.step.stream`), sync deferred to the last.
-
-        Counts add up on the device. Under torch.distributed the ranks meet once, before the
-        synchronizing backward (a rank that failed, or whose window ended empty, comes straight
-        there): that one small all-reduce carries N, the loss, the failures, the window shapes and
-        the fingerprint, so every rank refuses together what would hang. ``length``: the window's
-        declared number of micro-batches, or ``None`` to read one ahead.
-        """
-        self._distributed = distributed = dist.is_distributed(self.dp_group)
-        self._compiles.start()
-        model, kind = self.model, self.kind
-        if kind == "ddp":
-            check_sync_on(model)
-        if distributed and kind in ("fsdp", "fsdp2"):
-            self._agree_on_length(length)
-        counts: list[int | torch.Tensor] = []  # 0-dim tensors or ints: a few bytes per micro-batch
-        losses: list[torch.Tensor] = []
-        c: torch.Tensor | None = None
-        failure: LocalFailure | None = None
-        k = 0
-        resync = self._resync
-        pieces = with_last(window, length)
-        self.emit("window_start", length or 0)
-        ahead: list[tuple[int, Any, bool] | None] = []
-        if distributed and self._broadcasts:
-            ahead.append(self._read_first(pieces))
-        while True:
-            try:
-                item = ahead.pop() if ahead else next(pieces, None)
-            except Exception as exc:
-                if not distributed:
-                    self.zero_grad()
-                    raise
-                failure, item = LocalFailure(exc, "reading the window", k), None
-            if item is None:
-                break
-            i, mb, last = item
-            k = i + 1
-            self.emit("micro_start", i)
-            syncs = last or (i == 0 and resync)
-            piece: Contribution | None = None
-            with sync_deferred(model, kind, enabled=not syncs):
-                phase = "count_fn"
-                try:
-                    count = as_count(count_fn(mb), i)
-                    counts.append(count)
-                    if c is None:
-                        c = post_constant(
-                            count, length, self.device, expected=self._expected, distributed=distributed
-                        )
-                    phase = "forward"
-                    piece = contribute(i, mb, count, c)
-                    if piece.loss is not None:
-                        losses.append(piece.loss)
-                    if not syncs:
-                        phase = "backward"
-                        self.backward(piece.backprop)
-                except Exception as exc:
-                    failure = LocalFailure(exc, phase, i)
-                if distributed and (last or failure is not None):
-                    local, smallest = self._sum_counts(counts)
-                    counted, reduced = self._meet_streamed(
-                        k, counts, local, smallest, failure, post=c, piece=piece, index=i,
-                        tally=self._tally(losses, []),
-                    )  # fmt: skip
-                    if syncs and piece is not None:
-                        self._sync_backward(piece.backprop, i)
-                    self.emit("micro_end", i)
-                    assert reduced is not None
-                    self._expected = counted.global_count / self.factor
-                    tallied = torch.tensor(reduced, dtype=torch.float64, device=self.device)
-                    return counted, Accumulated(tallied[0], tallied[1], True, k)
-                if distributed and syncs:  # the resynchronizing first micro-batch of a longer window
-                    self._agree(None, i, piece, self._tally([], []))
-                elif failure is not None:
-                    self._fail_alone(failure)
-                if syncs and piece is not None:
-                    self._sync_backward(piece.backprop, i)
-            self.emit("micro_end", i)
-            if last:
-                break
-            item = mb = piece = None  # hold no micro-batch while the next ones are read
-        local, smallest = self._sum_counts(counts)
-        if distributed:  # the window ended before a last micro-batch: empty, or a read failed
-            if c is None:
-                c = self._zero + 1
-            self._meet_streamed(k, counts, local, smallest, failure, post=c, index=k)
-            raise AssertionError("unreachable: an empty window or a failure raises on every rank")
-        if not k:
-            raise WindowError("the window is empty: step needs at least one micro-batch")
-        assert c is not None
-        counted = WindowCount(counts, local, local, None, smallest, 1, self.factor, c)
-        self._expected = local / self.factor
-        return counted, Accumulated(self._tally(losses, [])[0], self._zero, False, k)
-
-    def _meet_streamed(self, *args: Any, **kwargs: Any) -> tuple[WindowCount, list[float] | None]:
-        """The post-scaling meeting (:meth:`_agree_on_counts`); after a raise there, DDP expects the
-        backward of the synchronizing forward some ranks completed, so the next window resyncs."""
-        try:
-            return self._agree_on_counts(*args, **kwargs)
-        except BaseException:
-            self._resync = self.kind == "ddp"
-            raise
-
-    def _read_first(self, pieces: Iterator[tuple[int, Any, bool]]) -> tuple[int, Any, bool] | None:
-        """DDP with buffers to broadcast: the window's first forward broadcasts them, a collective
-        that a rank whose window failed to read, or is empty, would never join. So the ranks read
-        their first micro-batch and meet before that forward (one small all-reduce more, only for
-        such models: ``broadcast_buffers=False`` avoids it where the buffers are constant)."""
-        failure: LocalFailure | None = None
-        first: tuple[int, Any, bool] | None = None
-        try:
-            first = next(pieces, None)
-        except Exception as exc:
-            failure = LocalFailure(exc, "reading the window", 0)
-        world = dist.world_size(self.dp_group)
-        ledger = Ledger(self.device)
-        ledger.add("failed", failure is not None)
-        ledger.add("oom", failure is not None and failure.oom)
-        ledger.add("empty", first is None and failure is None)
-        ledger.add("broadcasting", self._synced.will_sync_module_buffers())  # type: ignore[operator]
-        settled = ledger.settle(self.dp_group, what="the first micro-batches, before DDP's buffer broadcast")
-        names = ("failed", "oom", "empty", "broadcasting")
-        failed, oom, empty, broadcasting = (int(settled.value(n)) for n in names)  # type: ignore[arg-type]
-        if failed:
-            self.zero_grad()
-            raise_agreed(failure, failed, oom, self.dp_group)
-        check_buffer_broadcasts(broadcasting, world)
-        if empty:
-            check_window_shapes(
-                world, 0 if first is None else 1, empty, 0, 0, defer_sync=True, kind=self.kind
-            )
-        return first
-
-    def _agree_on_length(self, length: int | None) -> None:
-        """FSDP under post-scaling: every rank's forward all-gathers parameters, so a rank that ran
-        out of micro-batches early could not meet the others later. The declared lengths are
-        compared before the first forward, on every rank (one small all-reduce)."""
-        ledger = Ledger(self.device)
-        k = 0 if length is None else length
-        ledger.add("unknown", length is None)
-        ledger.add("k", k)
-        ledger.add("k_squared", k * k)
-        settled = ledger.settle(self.dp_group, what="the windows' declared lengths")
-        unknown, k_sum, k_sq = (float(settled.value(name)) for name in ("unknown", "k", "k_squared"))  # type: ignore[arg-type]
-        world = dist.world_size(self.dp_group)
-        if unknown or world * k_sq != k_sum * k_sum:
-            self.zero_grad()
-            raise WindowError(
-                f"scaling='post' under {self.kind.upper()} needs every rank to declare the same window "
-                f"length ({int(unknown)} of {world} ranks did not declare one (a list, or "
-                f"step(..., length=k)); this rank declared {length}, {int(k_sum)} in all): FSDP "
-                "all-gathers parameters in every forward, so the ranks must run equally many."
-            )
-
     def conclude(
         self,
         counted: WindowCount,
@@ -818,10 +492,18 @@ class WindowEngine:
         self.emit("optimizer_start", 0)
         params = [p for p in self._params if p.grad is not None]
         grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
-        if counted.post is not None:  # post-scaling: the backward ran on c * sum; now times W/(N c)
-            scale_grads_(grads, counted.scale() / counted.post)
-            if self._on_device and objective is None and rejection is None:
-                return self._conclude_on_device(counted, accumulated, params, grads)
+        return self._decide(counted, accumulated, params, grads, objective, rejection)
+
+    def _decide(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        params: Sequence[torch.Tensor],
+        grads: list[torch.Tensor],
+        objective: torch.Tensor | None,
+        rejection: Callable[[int], Exception] | None,
+    ) -> StepResult:
+        """The verdict from the figures every rank reads alike, then the update or the skip."""
         norm, gradient = self._gradient_check(grads)
         totals, norm = self._settle(counted, accumulated, objective, gradient, norm)
         n_global, local_n, k = int(totals.global_count), int(totals.local_count), accumulated.micro_batches
@@ -857,56 +539,6 @@ class WindowEngine:
             grad_norm=norm_host if (norm is not None and self.config.wants_norm) else None,
             applied=True,
             step=self.steps_applied,
-            recompiles=self._compiles.since(),
-        )
-        for hook in self.on_step:
-            hook(result)
-        self.emit("optimizer_end", 0)
-        return result
-
-    def _conclude_on_device(
-        self,
-        counted: WindowCount,
-        accumulated: Accumulated,
-        params: Sequence[torch.Tensor],
-        grads: list[torch.Tensor],
-    ) -> StepResult:
-        """Phase 4 without a host read: the skip is a device flag the fused optimizer reads
-        (``found_inf``); the result and the counters are read when asked."""
-        config = self.config
-        norm, gradient = self._gradient_check(grads)
-        n = counted.global_count
-        bad = ~torch.isfinite(accumulated.loss) | (n == 0)
-        if counted.min_count is not None:
-            bad = bad | (counted.min_count < 0)
-        if config.skip_nonfinite and gradient is not None:
-            # a norm is finite and a fused flag zero exactly when every gradient is finite
-            bad = bad | (~torch.isfinite(gradient) if norm is not None else gradient != 0)
-        if config.max_grad_norm is not None and norm is not None:
-            clip_grads_(params, config.max_grad_norm, norm)
-        found = bad.to(torch.float32)
-        optimizer: Any = self.optimizer
-        optimizer.found_inf = found
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf
-        applied = (~bad).to(torch.float64)
-        counters = self._device_counters
-        if counters is None:
-            counters = self._zero.new_zeros(3)  # a fill, not a copy from the host
-            if self.consecutive_skips:
-                counters[2] = self.consecutive_skips
-        # [applied, skipped, consecutive]: a skip adds one to the run of skips, an update ends it
-        self._device_counters = torch.stack(
-            [counters[0] + applied, counters[1] + 1 - applied, (counters[2] + 1) * (1 - applied)]
-        )
-        negative = self._zero if counted.min_count is None else counted.min_count < 0
-        result = DeviceStepResult(
-            (accumulated.loss, n, counted.local_count, applied, self._device_counters[0], norm, negative),
-            micro_batches=accumulated.micro_batches,
-            step_base=self.steps_applied,
-            wants_norm=config.wants_norm,
             recompiles=self._compiles.since(),
         )
         for hook in self.on_step:
@@ -966,7 +598,9 @@ class WindowEngine:
         ledger.add("gradient", self._zero if gradient is None else gradient, summed=squares)
         if noise is not None:
             # every rank's micro-batches are small batches: P and K are summed over ranks
-            small, batches, big, sigma = noise.window_sums(counted.counts, norm, self.scaler)
+            small, batches, big, sigma = noise.window_sums(
+                counted.counts, norm, self.scaler, rescale=counted.post_factor()
+            )
             ledger.add("noise_small", small, summed=self._distributed)
             ledger.add("noise_batches", batches, summed=self._distributed)
             ledger.add("noise_global", torch.stack([big, sigma]), summed=False)

@@ -245,13 +245,19 @@ class NoiseScaleMeter:
         self._norms, self._window = [], []
 
     def window_sums(
-        self, counts: Sequence[int | torch.Tensor], norm: torch.Tensor | None, scaler: Any
+        self,
+        counts: Sequence[int | torch.Tensor],
+        norm: torch.Tensor | None,
+        scaler: Any,
+        rescale: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Disarm; [P, K, |grad|^2, sigma] as float64 device scalars for the step's summary: P and
         K are this rank's (the step sums them over ranks), the others the same on every rank.
 
         ``norm``: the synchronized gradient's norm before unscaling; ``counts``: the window's
-        ``count_fn`` values, in micro-batch order.
+        ``count_fn`` values, in micro-batch order; ``rescale``: post-scaling's W/(N c), which turns
+        the increments its backwards added (c s_j) into pre-scaling's (W/N s_j) exactly as the
+        gradients are turned, so P is the same figure in both modes.
         """
         self._armed = False
         squares, self._window = self._window, []
@@ -266,6 +272,8 @@ class NoiseScaleMeter:
         )
         nonempty = n > 0
         small = torch.where(nonempty, torch.stack(squares) / n.clamp(min=1), 0.0).sum()
+        if rescale is not None:
+            small = small * rescale.to(_FLOAT64).square()
         big = self._zero if norm is None else norm.detach().to(_FLOAT64).square()
         # sigma as a device tensor through the public API: scale() multiplies by it (1 if disabled)
         sigma = self._one if scaler is None else scaler.scale(self._one)

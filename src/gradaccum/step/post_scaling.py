@@ -1,0 +1,319 @@
+"""Post-scaling's engine (``AccumConfig(scaling="post")``): the same phases, streamed.
+
+:class:`PostScalingEngine` is the :class:`~gradaccum.step.engine.WindowEngine` with phases 1-3
+fused into :meth:`PostScalingEngine.stream` (read, count, forward and backward each micro-batch as
+it arrives; the counts add up on the device) and a phase 4 that first multiplies the gradients by
+W/(N c) once. The algebra, the constant c and the device-side verdict are derived in
+:mod:`gradaccum.step.stream`; the agreement points are the engine's own, met once: under
+torch.distributed the ranks meet before the synchronizing backward, in one small all-reduce that
+carries N, the loss, the failures, the window shapes and the fingerprint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from gradaccum.distributed import dist
+from gradaccum.distributed.sync import check_sync_on, sync_deferred
+from gradaccum.errors import ConfigError, WindowError
+from gradaccum.step.agreement import LocalFailure, check_buffer_broadcasts, raise_agreed
+from gradaccum.step.checks import as_count, check_window_shapes
+from gradaccum.step.config import StepResult
+from gradaccum.step.engine import WindowEngine
+from gradaccum.step.ledger import Ledger
+from gradaccum.step.norms import clip_grads_, scale_grads_
+from gradaccum.step.stream import DeviceStepResult, post_constant, reads_found_inf, with_last
+from gradaccum.step.window import Accumulated, Contribution, CountFn, StreamContribute, WindowCount
+
+__all__ = ["PostScalingEngine"]
+
+
+class PostScalingEngine(WindowEngine):
+    """The window engine for ``scaling="post"``: :meth:`stream` then :meth:`conclude`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._check_post()
+        # with a found_inf optimizer the skip is decided on the device; the counters of the
+        # updates it decided stay there too, [applied, skipped, consecutive], until read
+        self._on_device = self._decides_on_device()
+        self._device_counters: torch.Tensor | None = None
+        self._expected: torch.Tensor | None = None  # the last window's N / F (on the device)
+
+    def _check_post(self) -> None:
+        """Refuse what post-scaling cannot do, before the first window."""
+        if self._distributed and self.kind != "local" and self._policy != "defer":
+            raise ConfigError(
+                f"scaling='post' under torch.distributed needs sync_policy='defer' and defer_sync=True "
+                f"(got {self._policy!r}): a rank does not know its window's length before its last "
+                "micro-batch, so only the last backward may synchronize."
+            )
+
+    def _decides_on_device(self) -> bool:
+        """Whether the skip decision can stay on the device (see :mod:`gradaccum.step.stream`):
+        the optimizer reads ``found_inf``, and nothing else needs the verdict on the host (a
+        scheduler must not advance on a skipped update, ``max_consecutive_skips`` counts skips, a
+        GradScaler keeps its own found_inf)."""
+        return (
+            reads_found_inf(self.optimizer)
+            and self.scaler is None
+            and self.scheduler is None
+            and self.config.max_consecutive_skips is None
+            and self.layout is None
+            and self.kind in ("local", "ddp")
+            and self._noise is None  # its figures are read with the verdict
+        )
+
+    def stream(
+        self, window: Iterable[Any], contribute: StreamContribute, count_fn: CountFn, *, length: int | None
+    ) -> tuple[WindowCount, Accumulated]:
+        """Post-scaling's phases 1-3 in one pass: read, count, forward and backward each micro-batch
+        as it arrives (:mod:`gradaccum.step.stream`), sync deferred to the last.
+
+        Counts add up on the device. Under torch.distributed the ranks meet once, before the
+        synchronizing backward (a rank that failed, or whose window ended empty, comes straight
+        there): that one small all-reduce carries N, the loss, the failures, the window shapes and
+        the fingerprint, so every rank refuses together what would hang. ``length``: the window's
+        declared number of micro-batches, or ``None`` to read one ahead.
+        """
+        self._distributed = distributed = dist.is_distributed(self.dp_group)
+        self._compiles.start()
+        model, kind = self.model, self.kind
+        if kind == "ddp":
+            check_sync_on(model)
+        if distributed and kind in ("fsdp", "fsdp2"):
+            self._agree_on_length(length)
+        counts: list[int | torch.Tensor] = []  # 0-dim tensors or ints: a few bytes per micro-batch
+        losses: list[torch.Tensor] = []
+        c: torch.Tensor | None = None
+        failure: LocalFailure | None = None
+        k = 0
+        resync = self._resync
+        noise = self._noise
+        if noise is not None:
+            noise.start()
+        pieces = with_last(window, length)
+        self.emit("window_start", length or 0)
+        ahead: list[tuple[int, Any, bool] | None] = []
+        if distributed and self._broadcasts:
+            ahead.append(self._read_first(pieces))
+        while True:
+            try:
+                item = ahead.pop() if ahead else next(pieces, None)
+            except Exception as exc:
+                if not distributed:
+                    self.zero_grad()
+                    raise
+                failure, item = LocalFailure(exc, "reading the window", k), None
+            if item is None:
+                break
+            i, mb, last = item
+            k = i + 1
+            self.emit("micro_start", i)
+            syncs = last or (i == 0 and resync)
+            piece: Contribution | None = None
+            with sync_deferred(model, kind, enabled=not syncs):
+                phase = "count_fn"
+                try:
+                    count = as_count(count_fn(mb), i)
+                    counts.append(count)
+                    if c is None:
+                        c = post_constant(
+                            count, length, self.device, expected=self._expected, distributed=distributed
+                        )
+                    phase = "forward"
+                    piece = contribute(i, mb, count, c)
+                    if piece.loss is not None:
+                        losses.append(piece.loss)
+                    if not syncs:
+                        phase = "backward"
+                        self.backward(piece.backprop)
+                except Exception as exc:
+                    failure = LocalFailure(exc, phase, i)
+                if distributed and (last or failure is not None):
+                    local, smallest = self._sum_counts(counts)
+                    counted, reduced = self._meet_streamed(
+                        k, counts, local, smallest, failure, post=c, piece=piece, index=i,
+                        tally=self._tally(losses, []),
+                    )  # fmt: skip
+                    if syncs and piece is not None:
+                        self._sync_backward(piece.backprop, i)
+                    if noise is not None:
+                        noise.fold()
+                    self.emit("micro_end", i)
+                    assert reduced is not None
+                    self._expected = counted.global_count / self.factor
+                    tallied = torch.tensor(reduced, dtype=torch.float64, device=self.device)
+                    return counted, Accumulated(tallied[0], tallied[1], True, k)
+                if distributed and syncs:  # the resynchronizing first micro-batch of a longer window
+                    self._agree(None, i, piece, self._tally([], []))
+                elif failure is not None:
+                    self._fail_alone(failure)
+                if syncs and piece is not None:
+                    self._sync_backward(piece.backprop, i)
+            if noise is not None:
+                noise.fold()  # this micro-batch's |c s_j|^2, from the hooks its backward ran
+            self.emit("micro_end", i)
+            if last:
+                break
+            item = mb = piece = None  # hold no micro-batch while the next ones are read
+        local, smallest = self._sum_counts(counts)
+        if distributed:  # the window ended before a last micro-batch: empty, or a read failed
+            if c is None:
+                c = self._zero + 1
+            self._meet_streamed(k, counts, local, smallest, failure, post=c, index=k)
+            raise AssertionError("unreachable: an empty window or a failure raises on every rank")
+        if not k:
+            raise WindowError("the window is empty: step needs at least one micro-batch")
+        assert c is not None
+        counted = WindowCount(counts, local, local, None, smallest, 1, self.factor, c)
+        self._expected = local / self.factor
+        return counted, Accumulated(self._tally(losses, [])[0], self._zero, False, k)
+
+    def _meet_streamed(self, *args: Any, **kwargs: Any) -> tuple[WindowCount, list[float] | None]:
+        """The post-scaling meeting (:meth:`_agree_on_counts`); after a raise there, DDP expects the
+        backward of the synchronizing forward some ranks completed, so the next window resyncs."""
+        try:
+            return self._agree_on_counts(*args, **kwargs)
+        except BaseException:
+            self._resync = self.kind == "ddp"
+            raise
+
+    def _read_first(self, pieces: Iterator[tuple[int, Any, bool]]) -> tuple[int, Any, bool] | None:
+        """DDP with buffers to broadcast: the window's first forward broadcasts them, a collective
+        that a rank whose window failed to read, or is empty, would never join. So the ranks read
+        their first micro-batch and meet before that forward (one small all-reduce more, only for
+        such models: ``broadcast_buffers=False`` avoids it where the buffers are constant)."""
+        failure: LocalFailure | None = None
+        first: tuple[int, Any, bool] | None = None
+        try:
+            first = next(pieces, None)
+        except Exception as exc:
+            failure = LocalFailure(exc, "reading the window", 0)
+        world = dist.world_size(self.dp_group)
+        ledger = Ledger(self.device)
+        ledger.add("failed", failure is not None)
+        ledger.add("oom", failure is not None and failure.oom)
+        ledger.add("empty", first is None and failure is None)
+        ledger.add("broadcasting", self._synced.will_sync_module_buffers())  # type: ignore[operator]
+        settled = ledger.settle(self.dp_group, what="the first micro-batches, before DDP's buffer broadcast")
+        names = ("failed", "oom", "empty", "broadcasting")
+        failed, oom, empty, broadcasting = (int(settled.value(n)) for n in names)  # type: ignore[arg-type]
+        if failed:
+            self.zero_grad()
+            raise_agreed(failure, failed, oom, self.dp_group)
+        check_buffer_broadcasts(broadcasting, world)
+        if empty:
+            check_window_shapes(
+                world, 0 if first is None else 1, empty, 0, 0, defer_sync=True, kind=self.kind
+            )
+        return first
+
+    def _agree_on_length(self, length: int | None) -> None:
+        """FSDP under post-scaling: every rank's forward all-gathers parameters, so a rank that ran
+        out of micro-batches early could not meet the others later. The declared lengths are
+        compared before the first forward, on every rank (one small all-reduce)."""
+        ledger = Ledger(self.device)
+        k = 0 if length is None else length
+        ledger.add("unknown", length is None)
+        ledger.add("k", k)
+        ledger.add("k_squared", k * k)
+        settled = ledger.settle(self.dp_group, what="the windows' declared lengths")
+        unknown, k_sum, k_sq = (float(settled.value(name)) for name in ("unknown", "k", "k_squared"))  # type: ignore[arg-type]
+        world = dist.world_size(self.dp_group)
+        if unknown or world * k_sq != k_sum * k_sum:
+            self.zero_grad()
+            raise WindowError(
+                f"scaling='post' under {self.kind.upper()} needs every rank to declare the same window "
+                f"length ({int(unknown)} of {world} ranks did not declare one (a list, or "
+                f"step(..., length=k)); this rank declared {length}, {int(k_sum)} in all): FSDP "
+                "all-gathers parameters in every forward, so the ranks must run equally many."
+            )
+
+    def _conclude_on_device(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        params: Sequence[torch.Tensor],
+        grads: list[torch.Tensor],
+    ) -> StepResult:
+        """Phase 4 without a host read: the skip is a device flag the fused optimizer reads
+        (``found_inf``); the result and the counters are read when asked."""
+        config = self.config
+        norm, gradient = self._gradient_check(grads)
+        n = counted.global_count
+        bad = ~torch.isfinite(accumulated.loss) | (n == 0)
+        if counted.min_count is not None:
+            bad = bad | (counted.min_count < 0)
+        if config.skip_nonfinite and gradient is not None:
+            # a norm is finite and a fused flag zero exactly when every gradient is finite
+            bad = bad | (~torch.isfinite(gradient) if norm is not None else gradient != 0)
+        if config.max_grad_norm is not None and norm is not None:
+            clip_grads_(params, config.max_grad_norm, norm)
+        found = bad.to(torch.float32)
+        optimizer: Any = self.optimizer
+        optimizer.found_inf = found
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        applied = (~bad).to(torch.float64)
+        counters = self._device_counters
+        if counters is None:
+            counters = self._zero.new_zeros(3)  # a fill, not a copy from the host
+            if self.consecutive_skips:
+                counters[2] = self.consecutive_skips
+        # [applied, skipped, consecutive]: a skip adds one to the run of skips, an update ends it
+        self._device_counters = torch.stack(
+            [counters[0] + applied, counters[1] + 1 - applied, (counters[2] + 1) * (1 - applied)]
+        )
+        negative = self._zero if counted.min_count is None else counted.min_count < 0
+        result = DeviceStepResult(
+            (accumulated.loss, n, counted.local_count, applied, self._device_counters[0], norm, negative),
+            micro_batches=accumulated.micro_batches,
+            step_base=self.steps_applied,
+            wants_norm=config.wants_norm,
+            recompiles=self._compiles.since(),
+        )
+        for hook in self.on_step:
+            hook(result)
+        self.emit("optimizer_end", 0)
+        return result
+
+    def _decide(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        params: Sequence[torch.Tensor],
+        grads: list[torch.Tensor],
+        objective: torch.Tensor | None,
+        rejection: Callable[[int], Exception] | None,
+    ) -> StepResult:
+        """The backward ran on c * summed loss: multiply the gradients by W/(N c) once (foreach),
+        then decide as under pre-scaling, or on the device where the optimizer reads found_inf."""
+        factor = counted.post_factor()
+        assert factor is not None
+        scale_grads_(grads, factor)
+        if self._on_device and objective is None and rejection is None:
+            return self._conclude_on_device(counted, accumulated, params, grads)
+        return super()._decide(counted, accumulated, params, grads, objective, rejection)
+
+    # -- counters decided on the device ---------------------------------------------------------
+
+    def settle_counters(self) -> None:
+        """Add the updates decided on the device to the host counters (one host read, if any)."""
+        if self._device_counters is None:
+            return
+        applied, skipped, consecutive = (int(v) for v in self._device_counters.tolist())
+        self._device_counters = None
+        self.steps_applied += applied
+        self.steps_skipped += skipped
+        if applied or skipped:
+            self.consecutive_skips = consecutive
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)  # validates first: a refused state changes nothing
+        self._device_counters = None

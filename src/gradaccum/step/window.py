@@ -1,0 +1,158 @@
+"""What flows between the window engine's phases: the counts, each micro-batch's contribution,
+what the loop leaves for the optimizer step, and the figures the ranks reduce together.
+
+Kept apart from :mod:`gradaccum.step.engine` so that the phases (pre-scaling's in the engine,
+post-scaling's in :mod:`gradaccum.step.post_scaling`, gradient caching's and the pipeline's in
+their own folders) share one vocabulary without importing each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "ZERO_COUNT",
+    "Accumulated",
+    "Backward",
+    "Contribute",
+    "Contribution",
+    "CountFn",
+    "CountTotals",
+    "Observer",
+    "StreamContribute",
+    "WindowCount",
+    "WindowTotals",
+]
+
+CountFn = Callable[[Any], "int | torch.Tensor"]
+"""``count_fn(micro_batch)``: how many units ``loss_fn`` sums over (valid tokens, examples)."""
+Observer = Callable[[str, int], None]
+"""Called with (event, micro-batch index) at phase boundaries; used by the benchmarks' timers."""
+Backward = Callable[[torch.Tensor], None]
+"""``backward(tensor)``: backpropagate one micro-batch's scaled loss. ``Tensor.backward`` by
+default; a framework whose backward must run its own hooks passes its own (Lightning's
+``LightningModule.manual_backward``)."""
+
+ZERO_COUNT = "the window holds zero valid units on every rank"
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCount:
+    """The counts of one window: per micro-batch, this rank's, and all ranks' (the N of W/N)."""
+
+    counts: list[int | torch.Tensor]
+    """``count_fn`` of each micro-batch, as returned (ints or 0-dim integer tensors)."""
+    local_count: torch.Tensor
+    """This rank's units, float64 on the model's device."""
+    global_count: torch.Tensor
+    """Every rank's units, float64 on the model's device: the N of W/N."""
+    global_host: int | None
+    """N on the host: known before the first backward under torch.distributed, else None."""
+    min_count: torch.Tensor | None
+    """The smallest tensor count (a negative one is refused where the step reads the device)."""
+    world: int
+    """Ranks that met in the counts all-reduce (1 on one process)."""
+    factor: float
+    """The W of W/N: what the model's gradient reductions divide by (1 for a plain module; see
+    :func:`gradaccum.mesh.reduction.averaging_factor`)."""
+    post: torch.Tensor | None = None
+    """Post-scaling's constant c (0-dim float64): the backward ran on c * summed loss, and the
+    gradients still need W/(N c) (:mod:`gradaccum.step.stream`); ``None`` under pre-scaling."""
+
+    @property
+    def empty(self) -> bool:
+        """Zero units on every rank, known on the host without reading the device."""
+        if self.global_host is not None:
+            return self.global_host == 0
+        return all(isinstance(c, int) for c in self.counts) and not any(self.counts)
+
+    def scale(self) -> torch.Tensor:
+        """W / N (N at least 1): what each micro-batch's summed loss is multiplied by."""
+        inverse = torch.reciprocal(self.global_count.clamp(min=1))
+        return inverse if self.factor == 1 else inverse.mul_(self.factor)
+
+    def post_factor(self) -> torch.Tensor | None:
+        """Post-scaling's W/(N c): what turns the gradients its backwards left into pre-scaling's;
+        ``None`` under pre-scaling."""
+        return None if self.post is None else self.scale() / self.post
+
+
+class Contribution(NamedTuple):
+    """What one micro-batch hands the engine once its forward ran."""
+
+    backprop: torch.Tensor
+    """The scalar to backpropagate, already scaled by W/N (and by the GradScaler)."""
+    loss: torch.Tensor | None = None
+    """This micro-batch's summed loss, for the window's reported mean; ``None`` when the loss is
+    the whole window's objective (gradient caching)."""
+    rejected: torch.Tensor | None = None
+    """0-dim; non-zero when this micro-batch must veto the update on every rank (a replay that did
+    not reproduce its first pass)."""
+
+
+Contribute = Callable[[int, Any], Contribution]
+"""``contribute(index, micro_batch)``: run the forward of one micro-batch, return its contribution."""
+StreamContribute = Callable[[int, Any, "int | torch.Tensor", torch.Tensor], Contribution]
+"""``contribute(index, micro_batch, count, c)`` under post-scaling: the forward, backprop = c * sum."""
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulated:
+    """What the micro-batch loop leaves for :meth:`WindowEngine.conclude`."""
+
+    loss: torch.Tensor
+    """The window's summed loss (0-dim float64): global when the ranks met with it, else local."""
+    rejected: torch.Tensor
+    """Micro-batches that vetoed the update (0-dim float64), global when ``loss_is_global``."""
+    loss_is_global: bool
+    """Whether the sums above already cover every rank."""
+    micro_batches: int
+    """Micro-batches in this rank's window."""
+
+
+@dataclass(frozen=True, slots=True)
+class CountTotals:
+    """The counts all-reduce, read on every rank: sums over the data-parallel ranks."""
+
+    global_count: float
+    """N: every rank's units."""
+    empty_ranks: float
+    """Ranks whose window holds no micro-batch."""
+    negative_ranks: float
+    """Ranks where ``count_fn`` returned a negative tensor count."""
+    micro_batches: float
+    """sum of k over ranks; with :attr:`micro_batches_squared`, all k are equal iff
+    W * sum(k^2) == sum(k)^2."""
+    micro_batches_squared: float
+    failed_ranks: float
+    """Ranks that failed while reading or counting their window."""
+    oom_ranks: float
+    """Of those, ranks whose failure was an out-of-memory error."""
+    broadcasting_ranks: float
+    """DDP ranks whose next forward broadcasts module buffers (all or none must)."""
+    fingerprint: list[float]
+    """The settings and model fingerprint (:func:`gradaccum.step.agreement.fingerprint`)."""
+    missed_ranks: float = 0.0
+    """Post-scaling under DDP: ranks whose synchronizing backward would miss a parameter."""
+
+
+@dataclass(frozen=True, slots=True)
+class WindowTotals:
+    """The end-of-window summary, read once on every rank (the step's one host read on one process)."""
+
+    loss: float
+    """The window's summed loss over every rank (or the given objective)."""
+    rejected: float
+    """Micro-batches, over every rank, that vetoed the update."""
+    gradient: float
+    """The global pre-clip gradient norm, or the non-finite flag when no norm was computed."""
+    global_count: float
+    local_count: float
+    smallest_count: float
+    """The smallest tensor count (negative: refused); 0 when every count was an int."""
+    noise: list[float] = field(default_factory=list)
+    """[P, K, |grad|^2, sigma] with ``noise_scale=True`` (:mod:`gradaccum.step.noise`)."""
