@@ -29,28 +29,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from overhead import _optimizer, count, hand_loop
 from paired import paired_ratios
 
 from gradaccum import Accumulator, split, windows
 from gradaccum.examples import build_tiny_gpt, gpt_loss
 from gradaccum.examples.gpt import sample_sequences
-from gradaccum.loss import count_tokens
 
-count = count_tokens("labels")
 K, MICRO, SEQ_LEN = 4, 8, 64
-
-
-def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def hand_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, window: list[Any]) -> None:
-    """The minimal exact loop a careful user writes by hand: count, zero once, sum/N, step."""
-    n = torch.stack([count(mb) for mb in window]).sum()
-    opt.zero_grad(set_to_none=True)
-    for mb in window:
-        (gpt_loss(model, mb) / n).backward()
-    opt.step()
 
 
 def _runners(window: list[Any], backend: str) -> dict[str, Callable[[], object]]:

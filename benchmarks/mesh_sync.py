@@ -1,10 +1,12 @@
 """Collectives, bytes and host reads per optimizer update on a 4-rank mesh (gloo, CPU), per layout,
 per sync policy and per mesh dimension, beside a hand-written exact loop where one exists.
 
-Counted around one update after a warm-up update: every ``torch.distributed`` collective issued
-from Python, labelled by the mesh dimension its group spans (``world`` = the step's own, over every
-rank), with its payload; FSDP2's reduce-scatters through its public custom-collective hook; host
-reads (``item``, ``tolist``, ...) with ``count_sync_points``. Tensor parallelism's activation
+Counted around one update after a warm-up update, with ``gradaccum.bench.mesh.MeshCommCounter``
+(which ``gradaccum bench --mesh`` uses too): every ``torch.distributed`` collective issued from
+Python and FSDP2's all-gathers and reduce-scatters (its public custom-collective hooks), labelled by
+the mesh dimension their group spans (``world`` = the step's own, over every rank), with their
+payload; host reads (``item``, ``tolist``, ...) with ``count_sync_points``; for HSDP, the gradient
+bytes held when the last micro-batch starts (``gradient_bytes_held``). Tensor parallelism's activation
 collectives run through functional collectives inside DTensor and are not counted here (they do
 not depend on accumulation); DDP's gradient all-reduce runs in its C++ reducer (counted by a
 comm hook where DDP is used).
@@ -18,7 +20,6 @@ import functools
 import multiprocessing as mp
 import os
 import sys
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -32,84 +33,50 @@ WINDOW_SIZES = [[1, 1], [2, 1], [1, 1], [2, 1]]
 ROWS = [(0, 2), (2, 5), (5, 7), (7, 10)]
 
 
-class Counter:
-    """dist.all_reduce / all_gather calls and bytes by the mesh dimension their group spans."""
-
-    def __init__(self, dims: dict[frozenset[int], str]) -> None:
-        self.dims = dims
-        self.calls: dict[str, int] = defaultdict(int)
-        self.bytes: dict[str, int] = defaultdict(int)
-
-    def label(self, name: str, group: Any) -> str:
-        ranks = frozenset(dist.get_process_group_ranks(group)) if group is not None else None
-        where = "world" if ranks is None or len(ranks) == dist.get_world_size() else self.dims.get(ranks, "?")
-        return f"{name} over {where}"
-
-    def wrap(self, name: str) -> Any:
-        original = getattr(dist, name)
-
-        def counted(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group", args[1] if len(args) > 1 and name == "all_reduce" else None)
-            key = self.label(name, group)
-            self.calls[key] += 1
-            if isinstance(tensor, torch.Tensor):
-                self.bytes[key] += tensor.numel() * tensor.element_size()
-            return original(tensor, *args, **kwargs)
-
-        return original, counted
-
-
-def _dims(mesh: Any) -> dict[frozenset[int], str]:
-    out = {}
-    for name in mesh.mesh_dim_names:
-        out[frozenset(dist.get_process_group_ranks(mesh[name].get_group()))] = name
-    return out
-
-
-def _measure(update: Any, mesh: Any, comms: Any) -> dict[str, Any]:
+def _measure(update: Any, counter: Any) -> dict[str, Any]:
     from gradaccum.distributed.comm import count_sync_points
 
-    update()  # warm-up
-    counter = Counter(_dims(mesh))
-    saved = {}
-    for name in ("all_reduce", "all_gather_into_tensor"):
-        original, counted = counter.wrap(name)
-        saved[name] = original
-        setattr(dist, name, counted)
-    if comms is not None:
-        comms.reset()
-    try:
-        with count_sync_points() as points:
-            update()
-    finally:
-        for name, original in saved.items():
-            setattr(dist, name, original)
+    update()  # warm-up: FSDP2's lazy initialization
+    with counter.counting() as comms, count_sync_points() as points:
+        update()
     row: dict[str, Any] = {"host reads": points.host_reads}
-    row.update({k: (counter.calls[k], counter.bytes[k]) for k in sorted(counter.calls)})
-    if comms is not None:
-        row["reduce_scatter over data dims"] = (comms.reduce_scatter_calls, comms.reduce_scatter_bytes)
+    for collective, dim in sorted(comms.calls, key=lambda key: (key[1], key[0])):
+        key = (collective, dim)
+        row[f"{collective} over {dim}"] = (comms.calls[key], comms.bytes[key])
     return row
 
 
-def _fsdp_model(mesh: Any, tp: bool) -> tuple[Any, Any]:
+def _fsdp_model(mesh: Any, tp: bool, counter: Any) -> Any:
     from torch.distributed.fsdp import fully_shard
-
-    from gradaccum.distributed.comm import count_fsdp2_comms
 
     model = models.TinyTransformer()
     shard_mesh = mesh["dp_shard"] if tp else mesh
     if tp:
         models.tensor_parallel(model, mesh["tp"])
-    units = [*model.blocks, model]
-    for unit in units:
+    for unit in [*model.blocks, model]:
         fully_shard(unit, mesh=shard_mesh)
-    return model, count_fsdp2_comms(units)
+    counter.watch(model)
+    return model
+
+
+class _Held:
+    """The step's observer: gradient bytes held when the window's last micro-batch starts."""
+
+    def __init__(self, model: Any, last: int) -> None:
+        self.model, self.last, self.held = model, last, 0
+
+    def __call__(self, event: str, index: int) -> None:
+        from gradaccum.bench.mesh import gradient_bytes_held
+
+        if event == "micro_start" and index == self.last:
+            self.held = gradient_bytes_held(self.model)
 
 
 def _rank(rank: int, world: int, port: int, queue: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import gradaccum
+    from gradaccum.bench.mesh import MeshCommCounter
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -119,23 +86,27 @@ def _rank(rank: int, world: int, port: int, queue: Any) -> None:
     window = gradaccum.split(models.rows(data, *ROWS[rank]), sizes=WINDOW_SIZES[rank])
 
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    counter = MeshCommCounter(hsdp)
     for policy in ("defer", "defer_replicate", "every"):
-        model, comms = _fsdp_model(hsdp, tp=False)
+        model = _fsdp_model(hsdp, tp=False, counter=counter)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
-        acc = gradaccum.Accumulator(model, optimizer, mesh=hsdp, sync_policy=policy)
+        held = _Held(model, len(window) - 1)
+        acc = gradaccum.Accumulator(model, optimizer, mesh=hsdp, sync_policy=policy, observer=held)
         step = functools.partial(acc.step, window, models.loss_fn, models.count_fn)
-        rows[f"HSDP 2x2 {policy}"] = _measure(step, hsdp, comms)
+        rows[f"HSDP 2x2 {policy}"] = _measure(step, counter)
+        rows[f"HSDP 2x2 {policy}"]["gradient bytes held before the last micro-batch"] = held.held
 
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    counter = MeshCommCounter(tp_mesh)
     d = tp_mesh.get_coordinate()[0]
     tp_window = gradaccum.split(models.rows(data, 5 * d, 5 * d + 5), sizes=[3, 2])
-    model, comms = _fsdp_model(tp_mesh, tp=True)
+    model = _fsdp_model(tp_mesh, tp=True, counter=counter)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
     acc = gradaccum.Accumulator(model, optimizer, mesh=tp_mesh)
     rows["FSDP2 dp_shard=2 x tp=2, gradaccum"] = _measure(
-        lambda: acc.step(tp_window, models.loss_fn, models.count_fn), tp_mesh, comms
+        lambda: acc.step(tp_window, models.loss_fn, models.count_fn), counter
     )
-    hand_model, hand_comms = _fsdp_model(tp_mesh, tp=True)
+    hand_model = _fsdp_model(tp_mesh, tp=True, counter=counter)
     hand_optimizer = torch.optim.SGD(hand_model.parameters(), lr=0.1, foreach=False)
     group = tp_mesh["dp_shard"].get_group()
 
@@ -150,7 +121,7 @@ def _rank(rank: int, world: int, port: int, queue: Any) -> None:
             (models.loss_fn(hand_model, mb) * (2.0 / n)).backward()
         hand_optimizer.step()
 
-    rows["FSDP2 dp_shard=2 x tp=2, hand loop"] = _measure(hand_loop, tp_mesh, hand_comms)
+    rows["FSDP2 dp_shard=2 x tp=2, hand loop"] = _measure(hand_loop, counter)
     queue.put((rank, rows))
     dist.destroy_process_group()
 
@@ -167,11 +138,12 @@ def main() -> None:
     results = dict(queue.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    print("per optimizer update, rank 0 (calls, bytes); 3 FSDP2 units, 2 micro-batches per rank")
+    print("per optimizer update, rank 0 (calls, bytes); 3 FSDP2 units, 2 micro-batches per rank;")
+    print("host reads include count_fn's int() of each micro-batch (2), the step's own are the rest")
     for layout, row in results[0].items():
         print(f"\n{layout}")
         for key, value in row.items():
-            print(f"  {key:<42} {value}")
+            print(f"  {key:<50} {value}")
 
 
 if __name__ == "__main__":

@@ -82,24 +82,8 @@ def library_rows() -> list[tuple[str, float, float]]:
 
 
 def _grpo_error(run: Any, update: int, aggregation: str) -> float:
-    from gradaccum.integrations.trl import policy_batch
-
     trainer, updates = run
-    k = trl_common.K
-    slices = trainer._buffered_inputs[update * k : (update + 1) * k]
-    keys = [
-        key
-        for key in (
-            "prompt_ids",
-            "prompt_mask",
-            "completion_ids",
-            "completion_mask",
-            "advantages",
-            "old_per_token_logps",
-        )
-        if key in slices[0]
-    ]
-    rows = policy_batch({key: torch.cat([s[key] for s in slices]) for key in keys})
+    rows = trl_common.update_rows(trainer, update)
     model = trl_common.start_model(updates, update)
     max_len = trl_common.MAX_COMPLETION if aggregation.endswith("-norm") else None
     loss = PolicyLoss(aggregation, clip_eps=trainer.epsilon_low, max_response_len=max_len)  # type: ignore[arg-type]

@@ -176,13 +176,17 @@ def update_ratio(
 
 
 def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-    """torchtitan's order: tensor parallelism inside each block, then FSDP2 over dp_shard."""
+    """torchtitan's order: tensor parallelism inside each block (where the mesh has ``tp``), then
+    FSDP2 over ``dp_shard`` (HSDP over ``dp_replicate`` x ``dp_shard`` where it has both)."""
     from torch.distributed.fsdp import fully_shard
 
-    tensor_parallel(model, mesh["tp"])  # type: ignore[arg-type]
+    names = mesh.mesh_dim_names
+    if "tp" in names:
+        tensor_parallel(model, mesh["tp"])  # type: ignore[arg-type]
+    shard_mesh = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp_shard"]
     for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+        fully_shard(block, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
     return model
 
 

@@ -94,6 +94,24 @@ def _dp_cp() -> dict[str, Any]:
     return out
 
 
+def _fsdp_flattened_cp() -> dict[str, Any]:
+    """torchtitan's FSDP x CP: fully_shard over dp_shard and cp flattened into dp_shard_cp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import gradaccum
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    model = models.PositionLM()
+    fully_shard(model, mesh=mesh["dp_shard", "cp"]._flatten("dp_shard_cp"))
+    acc = gradaccum.Accumulator(model, _sgd(model), mesh=mesh)
+    d, c = mesh.get_coordinate()
+    data = models.batch(8, empty_tail_rows=tuple(range(3, 8)))
+    local = models.positions(models.rows(data, *TP_ROWS[d]), c, 2)
+    result = acc.step(gradaccum.split(local, sizes=TP_SIZES[d]), models.loss_fn, models.count_fn)
+    return {"params": models.params(model), "local": result.local_count, "global": result.global_count}
+
+
 def _full(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     return {"ids": data["ids"], "labels": torch.randint(0, models.VOCAB, data["labels"].shape, generator=gen)}
@@ -188,6 +206,7 @@ def _mesh_rank(rank: int, world: int) -> dict[str, Any]:
     for variant in ("average", "sum", "clip", "post", "post clip"):
         out[f"tp {variant}"] = _fsdp_tp(variant)
     out["cp"] = _dp_cp()
+    out["cp flattened"] = _fsdp_flattened_cp()
     for policy in ("defer", "defer_replicate", "every"):
         out[f"hsdp {policy}"] = _hsdp(policy)
     out["hsdp post"] = _hsdp("defer", "post")
@@ -242,6 +261,17 @@ def test_data_x_context_parallel_with_an_empty_half(ranks: list[dict[str, Any]])
     for r in ranks:
         assert r["cp"]["global"] == models.count_fn(data)
         assert models.update_error(r["cp"]["exact"], want, start) < EXACT
+
+
+def test_fsdp2_over_dp_shard_and_cp_flattened_as_torchtitan_does(ranks: list[dict[str, Any]]) -> None:
+    """FSDP2's reduce-scatter averages over the 4 ranks of dp_shard_cp; N sums over both."""
+    data = models.batch(8, empty_tail_rows=tuple(range(3, 8)))
+    want, start = models.reference_update(models.PositionLM(), data)
+    assert ranks[3]["cp flattened"]["local"] == 0
+    for r in ranks:
+        got = r["cp flattened"]
+        assert got["global"] == models.count_fn(data)
+        assert models.update_error(got["params"], want, start) < EXACT
 
 
 def test_summing_the_count_over_dp_only_is_off_by_the_cp_ratio(ranks: list[dict[str, Any]]) -> None:

@@ -22,7 +22,7 @@ pytest.importorskip("trl")
 from trl import DPOTrainer, GRPOTrainer
 
 from gradaccum.errors import ConfigError
-from gradaccum.integrations.trl import ExactGRPOConfig, exact_trainer, policy_batch
+from gradaccum.integrations.trl import ExactGRPOConfig, exact_trainer
 from gradaccum.rl import PolicyLoss, PreferenceLoss
 from tests.rl import common, trl_common
 
@@ -43,27 +43,9 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def _update_rows(trainer: Any, update: int) -> dict[str, torch.Tensor]:
-    k = trl_common.K
-    slices = trainer._buffered_inputs[update * k : (update + 1) * k]
-    keys = [
-        key
-        for key in (
-            "prompt_ids",
-            "prompt_mask",
-            "completion_ids",
-            "completion_mask",
-            "advantages",
-            "old_per_token_logps",
-        )
-        if key in slices[0]
-    ]
-    return policy_batch({key: torch.cat([s[key] for s in slices]) for key in keys})
-
-
 def _reference(run: Any, update: int, aggregation: str = "token-mean") -> dict[str, torch.Tensor]:
     trainer, updates = run
-    rows = _update_rows(trainer, update)
+    rows = trl_common.update_rows(trainer, update)
     model = trl_common.start_model(updates, update)
     loss = PolicyLoss(aggregation, clip_eps=trainer.epsilon_low)  # type: ignore[arg-type]
     (loss.loss_fn(model, rows) / loss.count_fn(rows)).backward()
@@ -83,7 +65,7 @@ def test_plain_dapo_differs_by_the_generation_batch_factor(grpo_runs: dict) -> N
     exact, plain = grpo_runs["exact"][0], grpo_runs["plain"][0]
     for a, b in zip(exact._buffered_inputs, plain._buffered_inputs, strict=True):
         assert torch.equal(a["completion_ids"], b["completion_ids"])  # the same rollout
-    tokens = [int(_update_rows(exact, u)["response_mask"].sum()) for u in range(trl_common.UPDATES)]
+    tokens = [int(trl_common.update_rows(exact, u)["response_mask"].sum()) for u in range(trl_common.UPDATES)]
     factors = [n * trl_common.UPDATES / sum(tokens) for n in tokens]
     assert max(abs(f - 1) for f in factors) > 1e-2, tokens  # uneven updates: the control can fail
     for update, factor in enumerate(factors):
@@ -102,7 +84,7 @@ def test_logged_loss_is_the_update_mean(grpo_runs: dict) -> None:
     trainer, updates = grpo_runs["exact"]
     logged = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
     for update in range(trl_common.UPDATES):
-        rows = _update_rows(trainer, update)
+        rows = trl_common.update_rows(trainer, update)
         loss = PolicyLoss("token-mean", clip_eps=trainer.epsilon_low)
         with torch.no_grad():
             want = float(loss.loss_fn(trl_common.start_model(updates, update), rows) / loss.count_fn(rows))

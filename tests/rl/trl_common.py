@@ -231,3 +231,23 @@ def pairs_batch(trainer: Any, reference: torch.nn.Module | None = None) -> dict[
 
 def snapshot(trainer: Any) -> list[dict[str, torch.Tensor]]:
     return copy.deepcopy(list(trainer._buffered_inputs))
+
+
+def update_rows(trainer: Any, update: int) -> dict[str, torch.Tensor]:
+    """The policy rows of one optimizer update: the k micro-batches TRL buffered for it, joined."""
+    from gradaccum.integrations.trl import policy_batch
+
+    slices = trainer._buffered_inputs[update * K : (update + 1) * K]
+    keys = [
+        key
+        for key in (
+            "prompt_ids",
+            "prompt_mask",
+            "completion_ids",
+            "completion_mask",
+            "advantages",
+            "old_per_token_logps",
+        )
+        if key in slices[0]
+    ]
+    return policy_batch({key: torch.cat([s[key] for s in slices]) for key in keys})

@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="SIZE",
         help="e.g. 6GiB per rank: advise the fastest measured row that fits it, say why in one sentence, "
-        "and write its run card (default: no budget)",
+        "and write its run card; with --mesh, the sync policy with the least communication whose "
+        "gradients held fit it (default: no budget)",
     )
     p.add_argument(
         "--checkpointing",
@@ -73,6 +74,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated: ddp (replicas), fsdp2 (fully_shard; needs --dp 2+, measured with sync "
         "deferred and on every micro-batch); default ddp",
     )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="NAME=SIZE,...",
+        help="under torchrun: measure the HSDP sync policies (defer, defer_replicate, every) on a device "
+        "mesh, e.g. dp_replicate=2,dp_shard=2 or dp_shard=2,tp=2 (the workload declares parallelize(model, "
+        "mesh)): calls and bytes per update per mesh dimension beside the model, gradient memory held, "
+        "and with --memory-budget the policy to use (default: no mesh, the sweep)",
+    )
+    p.add_argument(
+        "--accum-steps",
+        type=int_at_least(2),
+        default=4,
+        metavar="K",
+        help="with --mesh: micro-batches per update on every data rank (default 4)",
+    )
     p.add_argument("--json", action="store_true", help="also print results.json to stdout (default: tables)")
     add_measure_options(p, steps=20)
     p.set_defaults(func=run)
@@ -83,6 +100,10 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mesh is not None:
+        from gradaccum.cli.bench_mesh import run_mesh
+
+        return run_mesh(args)
     # plain, flushed progress lines when stdout is a log or a pipe (never into --json's output)
     enabled = not console.is_terminal and not args.json and torchrun_leader()
     with Heartbeat("bench", enabled=enabled) as beat:

@@ -15,6 +15,7 @@ silently treated as data or as model parallel.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -98,27 +99,55 @@ class MeshLayout:
         """Refuse a model whose DTensor parameters live on a mesh that is not part of ``mesh``.
 
         A parameter parallelized on another mesh would be reduced over ranks the step does not
-        count; the test is by dimension names and sizes, and by the ranks of this rank's slice.
+        count. Each of its mesh's dimensions must be a dimension of ``mesh`` (by name and size),
+        or a flattening of data dimensions of ``mesh`` (torchtitan shards FSDP2 over
+        ``dp_shard_cp``, ``dp_shard`` x ``cp`` flattened): recognized by the ranks this rank
+        meets along it, which must be exactly those along those dimensions of ``mesh``.
         """
         mine = {name: int(mesh.size(i)) for i, name in enumerate(mesh.mesh_dim_names)}
         ranks = set(mesh.mesh.flatten().tolist())
+        roles = {name: role for role, name in self.names.items()}
+        known: dict[tuple[int, int], bool] = {}
         for name, p in model.named_parameters():
             param_mesh = getattr(p, "device_mesh", None)
             if param_mesh is None:
                 continue
             dims = param_mesh.mesh_dim_names
             other = set(param_mesh.mesh.flatten().tolist())
-            same = dims is not None and all(
-                d in mine and mine[d] == param_mesh.size(i) for i, d in enumerate(dims)
-            )
+            same = dims is not None
+            for i, d in enumerate(dims or ()):
+                if d in mine and mine[d] == param_mesh.size(i):
+                    continue
+                key = (id(param_mesh), i)
+                if key not in known:
+                    spanned = _spanned_dims(mesh, param_mesh, i)
+                    known[key] = spanned is not None and all(roles.get(s) in DATA_ROLES for s in spanned)
+                same = same and known[key]
             if not same or not other <= ranks:
                 raise ConfigError(
                     f"parameter {name!r} is parallelized on a mesh with dimensions {dims} over ranks "
                     f"{sorted(other)}, which is not part of the mesh given to the accumulator "
                     f"({dict(mine)} over ranks {sorted(ranks)}). Pass the mesh the model was "
-                    "parallelized with (the one whose sub-meshes went to parallelize_module and "
-                    "fully_shard)."
+                    "parallelized with (the one whose sub-meshes, or data dimensions flattened with "
+                    "_flatten, went to parallelize_module and fully_shard)."
                 )
+
+
+def _spanned_dims(mesh: Any, sub: Any, dim: int) -> tuple[str, ...] | None:
+    """The dimensions of ``mesh`` that dimension ``dim`` of the mesh ``sub`` runs along (several
+    for a flattened one), found by the ranks this rank meets along it; None if no set matches."""
+    here, root_here = sub.get_coordinate(), mesh.get_coordinate()
+    if here is None or root_here is None:
+        return None
+    line = tuple(slice(None) if j == dim else c for j, c in enumerate(here))
+    along = set(sub.mesh[line].flatten().tolist())
+    names = mesh.mesh_dim_names
+    for size in range(1, len(names) + 1):
+        for combo in itertools.combinations(range(len(names)), size):
+            index = tuple(slice(None) if j in combo else c for j, c in enumerate(root_here))
+            if set(mesh.mesh[index].flatten().tolist()) == along:
+                return tuple(names[j] for j in combo)
+    return None
 
 
 def role_sizes(mesh: Any, mesh_dims: Mapping[str, str] | None = None) -> dict[str, int]:

@@ -1,0 +1,99 @@
+"""The communication and gradient memory of each sync policy, written down from the mesh's sizes.
+
+Let k be the micro-batches per update, U the FSDP2 units that own parameters, G the bytes of the
+gradients one rank computes per micro-batch for them (after tensor parallelism, before FSDP2
+shards them), s = ``dp_shard`` and r = ``dp_replicate``. FSDP2 reduces one unit's gradients in one
+reduce-scatter over ``dp_shard`` (payload G_unit) and, under HSDP, one all-reduce of the resulting
+shard over ``dp_replicate`` (payload G_unit / s). Per optimizer update:
+
+============== ============================ ================================ ==================
+policy         reduce-scatter, dp_shard     all-reduce, dp_replicate         gradients held
+============== ============================ ================================ ==================
+defer          U calls, G bytes             U calls, G / s bytes             G (unsharded)
+defer_replicate k U calls, k G bytes        U calls, G / s bytes             G / s (shards)
+every          k U calls, k G bytes         k U calls, k G / s bytes         G / s (shards)
+============== ============================ ================================ ==================
+
+(no reduce-scatter when s = 1, no all-reduce when r = 1), plus the step's own two small
+all-reduces over every rank (the counts, the end of the window), whose few hundred bytes are
+measured, not modelled. "Gradients held" is what a rank holds between micro-batches: ``defer``
+keeps the unsharded gradients until the last backward; the others keep the reduce-scattered
+shards (``defer_replicate`` before, ``every`` after the all-reduce). The bytes assume FSDP2 needs
+no padding (dim 0 of every parameter divisible by s); padding adds at most s - 1 rows per
+parameter to what is measured. Parameter all-gathers do not depend on the policy and are measured
+only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradaccum.fielddocs import document_fields
+
+__all__ = ["POLICIES", "STEP_ALL_REDUCES", "Traffic", "held_model", "policy_model"]
+
+POLICIES = ("defer", "defer_replicate", "every")
+"""The HSDP sync policies, in the order they trade communication for memory."""
+STEP_ALL_REDUCES = 2
+"""The step's own all-reduces over every rank per update: the counts, the end of the window."""
+
+
+@document_fields
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Traffic:
+    """One collective over one mesh dimension, per optimizer update, on one rank."""
+
+    collective: str
+    """``reduce_scatter``, ``all_reduce`` or ``all_gather``."""
+    dimension: str
+    """The mesh dimension its group spans (``world``: every rank; ``other``: no single dimension)."""
+    calls: int
+    """Calls per update."""
+    bytes: int | None
+    """Payload per update on this rank (reduce-scatter: input; all-gather: output; all-reduce: the
+    tensor); ``None`` where the model leaves it to the measurement."""
+
+
+def policy_model(
+    policy: str,
+    *,
+    accum_steps: int,
+    grad_bytes: int,
+    units: int,
+    shard: int,
+    replicate: int,
+    shard_dim: str = "dp_shard",
+    replicate_dim: str = "dp_replicate",
+) -> tuple[Traffic, ...]:
+    """The gradient reductions and the step's own all-reduces of ``policy`` (see the module doc)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    k = accum_steps
+    scatters = 1 if policy == "defer" else k
+    reduces = k if policy == "every" else 1
+    out = []
+    if shard > 1:
+        out.append(
+            Traffic(
+                collective="reduce_scatter",
+                dimension=shard_dim,
+                calls=scatters * units,
+                bytes=scatters * grad_bytes,
+            )
+        )
+    if replicate > 1:
+        out.append(
+            Traffic(
+                collective="all_reduce",
+                dimension=replicate_dim,
+                calls=reduces * units,
+                bytes=reduces * grad_bytes // shard,
+            )
+        )
+    out.append(Traffic(collective="all_reduce", dimension="world", calls=STEP_ALL_REDUCES, bytes=None))
+    return tuple(out)
+
+
+def held_model(policy: str, *, grad_bytes: int, shard: int) -> int:
+    """Gradient bytes a rank holds between micro-batches under ``policy``."""
+    return grad_bytes if policy == "defer" else grad_bytes // shard
