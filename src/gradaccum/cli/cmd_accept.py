@@ -78,17 +78,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--candidate",
         default=DEFAULT_CANDIDATE,
-        help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same as --baseline checks the noise",
+        help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same plan and scaling as the baseline "
+        "checks the noise",
     )
-    for arm in ("baseline", "candidate"):
-        p.add_argument(
-            f"--{arm}-scaling",
-            choices=SCALINGS,
-            default="pre",
-            help=f"the {arm}'s gradient scaling: pre (count the window before its first backward) or "
-            "post (stream it, scale the gradients once after it); default pre. --candidate-scaling post "
-            "with --candidate equal to --baseline compares the two modes at one plan",
-        )
+    scaling = (
+        "gradient scaling: pre (count the window before its first backward) or post (stream it, scale "
+        "the gradients once after it); default pre"
+    )
+    p.add_argument("--baseline-scaling", choices=SCALINGS, default="pre", help=f"the baseline's {scaling}")
+    p.add_argument(
+        "--candidate-scaling",
+        choices=SCALINGS,
+        default="pre",
+        help=f"the candidate's {scaling}. post with --candidate equal to --baseline compares the two "
+        "modes at one plan",
+    )
     p.add_argument(
         "--margin",
         type=number_above(0.0, inclusive=True),
