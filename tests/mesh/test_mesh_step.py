@@ -94,7 +94,7 @@ def _dp_cp() -> dict[str, Any]:
     return out
 
 
-def _fsdp_flattened_cp() -> dict[str, Any]:
+def _fsdp_flattened_cp(clip: float | None = None) -> dict[str, Any]:
     """torchtitan's FSDP x CP: fully_shard over dp_shard and cp flattened into dp_shard_cp."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -104,7 +104,7 @@ def _fsdp_flattened_cp() -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
     model = models.PositionLM()
     fully_shard(model, mesh=mesh["dp_shard", "cp"]._flatten("dp_shard_cp"))
-    acc = gradaccum.Accumulator(model, _sgd(model), mesh=mesh)
+    acc = gradaccum.Accumulator(model, _sgd(model), mesh=mesh, max_grad_norm=clip)
     d, c = mesh.get_coordinate()
     data = models.batch(8, empty_tail_rows=tuple(range(3, 8)))
     local = models.positions(models.rows(data, *TP_ROWS[d]), c, 2)
@@ -117,7 +117,7 @@ def _full(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"ids": data["ids"], "labels": torch.randint(0, models.VOCAB, data["labels"].shape, generator=gen)}
 
 
-def _hsdp(policy: str, scaling: str = "pre") -> dict[str, Any]:
+def _hsdp(policy: str, scaling: str = "pre", clip: float | None = None) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -131,7 +131,9 @@ def _hsdp(policy: str, scaling: str = "pre") -> dict[str, Any]:
     for unit in units:
         fully_shard(unit, mesh=mesh)
     comms = count_fsdp2_comms(units)
-    acc = gradaccum.Accumulator(model, _sgd(model), mesh=mesh, sync_policy=policy, scaling=scaling)
+    acc = gradaccum.Accumulator(
+        model, _sgd(model), mesh=mesh, sync_policy=policy, scaling=scaling, max_grad_norm=clip
+    )
     rank = dist.get_rank()
     local = models.rows(models.batch(10), *HSDP_ROWS[rank])
     window = gradaccum.split(local, sizes=HSDP_SIZES[rank])
@@ -207,9 +209,11 @@ def _mesh_rank(rank: int, world: int) -> dict[str, Any]:
         out[f"tp {variant}"] = _fsdp_tp(variant)
     out["cp"] = _dp_cp()
     out["cp flattened"] = _fsdp_flattened_cp()
+    out["cp flattened clip"] = _fsdp_flattened_cp(CLIP)
     for policy in ("defer", "defer_replicate", "every"):
         out[f"hsdp {policy}"] = _hsdp(policy)
     out["hsdp post"] = _hsdp("defer", "post")
+    out["hsdp clip"] = _hsdp("defer_replicate", clip=CLIP)
     out["refusals"] = _refusals()
     out["verify"] = _verify()
     return out
@@ -252,6 +256,24 @@ def test_clipping_by_the_norm_over_every_shard_and_mesh(ranks: list[dict[str, An
             got = r[f"tp {variant}"]
             assert abs(got["norm"] - norm) < 1e-10 * norm, variant
             assert models.update_error(got["params"], want, start) < EXACT, variant
+
+
+@pytest.mark.parametrize(
+    ("key", "model", "data"),
+    [
+        ("hsdp clip", models.TinyTransformer, models.batch(10)),
+        ("cp flattened clip", models.PositionLM, models.batch(8, empty_tail_rows=tuple(range(3, 8)))),
+    ],
+)
+def test_a_clip_that_bites_on_hsdp_and_on_fsdp_x_cp(
+    ranks: list[dict[str, Any]], key: str, model: Any, data: dict[str, torch.Tensor]
+) -> None:
+    reference = model()
+    (models.loss_fn(reference, data) / models.count_fn(data)).backward()
+    assert torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item() > 10 * CLIP
+    want, start = models.reference_update(model(), data, max_grad_norm=CLIP)
+    for r in ranks:
+        assert models.update_error(r[key]["params"], want, start) < EXACT
 
 
 def test_data_x_context_parallel_with_an_empty_half(ranks: list[dict[str, Any]]) -> None:

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.distributed
 EXACT = 1e-10
 K = 8  # micro-batches per data rank
 CLIP = 0.05
+SEEDS = (11, 12)  # one window's data per seed
 PARTS = ("embed", "l0", "l1", "l2", "l3", "head")
 STAGES = {
     2: [("embed", "l0", "l1"), ("l2", "l3", "head")],
@@ -90,7 +91,9 @@ def _named(stage: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _pipeline(schedule: str, wrap: str, clip: float | None, built_for: int | None = None) -> dict[str, Any]:
+def _pipeline(
+    schedule: str, wrap: str, clip: float | None, built_for: int | None = None, windows: int = 1
+) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
@@ -127,17 +130,38 @@ def _pipeline(schedule: str, wrap: str, clip: float | None, built_for: int | Non
         acc = PipelineAccumulator(stages, optimizer, loss_fn, schedule=given, mesh=mesh, config=config)
     except gradaccum.ConfigError as exc:
         return {"refused": str(exc)}
-    data = models.batch(2 * K, seed=11)
-    rows = models.rows(data, d * K, (d + 1) * K)
-    window = [(rows["ids"][j : j + 1], rows["labels"][j : j + 1]) for j in range(K)]
-    try:
-        result = acc.step(window, count_fn)
-    except gradaccum.ConfigError as exc:
-        return {"refused": str(exc)}
+    for seed in SEEDS[:windows]:
+        data = models.batch(2 * K, seed=seed)
+        rows = models.rows(data, d * K, (d + 1) * K)
+        window = [(rows["ids"][j : j + 1], rows["labels"][j : j + 1]) for j in range(K)]
+        try:
+            result = acc.step(window, count_fn)
+        except gradaccum.ConfigError as exc:
+            return {"refused": str(exc)}
     out: dict[str, Any] = {"global": result.global_count, "loss": result.loss}
     for stage in stages:
         out.update(_named(stage.submod))
     return out
+
+
+def _ddp_over_the_world() -> str:
+    """Stages of equal shapes let DDP over every rank build, and average one stage with another."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradaccum
+    from gradaccum.pipeline import PipelineAccumulator
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_replicate"))
+    p = mesh.get_coordinate()[0]
+    module = DDP(Stage(full_model(), (f"l{p}",)))  # the default group: all 4 ranks
+    stage = PipelineStage(module, p, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    try:
+        PipelineAccumulator([stage], torch.optim.SGD(module.parameters(), lr=0.1), loss_fn, mesh=mesh)
+    except gradaccum.ConfigError as exc:
+        return str(exc)
+    return "accepted"
 
 
 def _pipeline_rank(rank: int, world: int) -> dict[str, Any]:
@@ -145,7 +169,11 @@ def _pipeline_rank(rank: int, world: int) -> dict[str, Any]:
     for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
         out[schedule] = _pipeline(schedule, "fsdp2", None)
     out["1F1B clip"] = _pipeline("1F1B", "fsdp2", CLIP)
-    out["ddp"] = _pipeline("1F1B", "ddp", None)  # refused: no stable factor inside a schedule
+    # DDP's reducer runs a second window too: two windows each
+    out["ddp 1F1B"] = _pipeline("1F1B", "ddp", None, windows=2)
+    out["ddp Interleaved1F1B"] = _pipeline("Interleaved1F1B", "ddp", None, windows=2)
+    out["ddp GPipe"] = _pipeline("GPipe", "ddp", None)  # refused: torch's reducer asserts
+    out["ddp world"] = _ddp_over_the_world()
     out["mismatch"] = _pipeline("1F1B", "fsdp2", None, built_for=4)
     return out
 
@@ -155,17 +183,21 @@ def ranks() -> list[dict[str, Any]]:
     return values(run_ranks(_pipeline_rank, world=4, timeout_s=420))
 
 
-def reference(clip: float | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(
+    clip: float | None = None, windows: int = 1
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     parts = full_model()
     start = {n: p.detach().clone() for n, p in parts.named_parameters()}
-    data = models.batch(2 * K, seed=11)
-    loss = loss_fn(run_full(parts, data["ids"]), data["labels"]) / count_fn(data["labels"])
-    loss.backward()
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_(parts.parameters(), clip)
-    with torch.no_grad():
-        for p in parts.parameters():
-            p -= models.LR * p.grad
+    for seed in SEEDS[:windows]:
+        parts.zero_grad(set_to_none=True)
+        data = models.batch(2 * K, seed=seed)
+        loss = loss_fn(run_full(parts, data["ids"]), data["labels"]) / count_fn(data["labels"])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(parts.parameters(), clip)
+        with torch.no_grad():
+            for p in parts.parameters():
+                p -= models.LR * p.grad
     return {n: p.detach().clone() for n, p in parts.named_parameters()}, start
 
 
@@ -194,6 +226,17 @@ def test_a_schedule_for_another_window_length_is_refused_on_every_rank(ranks: li
         assert "n_microbatches=4 but the window holds 8" in r["mismatch"]["refused"]
 
 
-def test_ddp_stages_are_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_ddp_stages_are_exact_over_two_windows(ranks: list[dict[str, Any]], schedule: str) -> None:
+    """DDP over the data ranks, averaging: F = 2; the reducer's second window as exact as its first."""
+    want, start = reference(windows=2)
+    for d in (0, 1):
+        got = _merged(ranks, f"ddp {schedule}", d)
+        assert sorted(got) == sorted(want)
+        assert models.update_error(got, want, start) < EXACT
+
+
+def test_ddp_stages_under_gpipe_are_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
-        assert "Shard the stage modules with FSDP2" in r["ddp"]["refused"]
+        assert "Use schedule='1F1B' or 'Interleaved1F1B' with DDP" in r["ddp GPipe"]["refused"]
+        assert "reduces over ranks [0, 1, 2, 3], but this rank's data-parallel ranks" in r["ddp world"]

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from gradaccum.errors import ConfigError
+from gradaccum.mesh.layout import DATA_ROLES
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.face import EngineFace
@@ -56,8 +57,8 @@ class PipelineAccumulator(EngineFace):
     >>> result = acc.step(window, count_fn)   # window: [(inputs, target), ...] on every rank
 
     ``stages``: this rank's ``PipelineStage`` objects (one; two or more for ``Interleaved1F1B``),
-    their submodules sharded with FSDP2 over the data dimensions where there are several (DDP is
-    refused: see :func:`_refuse_ddp`).
+    their submodules sharded with FSDP2 over the data dimensions where there are several, or
+    wrapped in DDP over them (1F1B and Interleaved1F1B only: see :func:`_check_ddp`).
     ``optimizer`` holds their parameters. ``schedule``: a name from :data:`SCHEDULES`, or a
     schedule built by the caller (its ``n_microbatches`` must equal each window's length, and
     ``scale_grads=False``). The settings (clipping, skipping) are :class:`AccumConfig`'s.
@@ -90,7 +91,6 @@ class PipelineAccumulator(EngineFace):
         self._loss_fn = loss_fn
         self._schedules: dict[int, Any] = {}
         modules = nn.ModuleList([s.submod for s in stages])
-        _refuse_ddp([s.submod for s in stages])
         if config is not None and config.scaling != "pre":
             raise ConfigError(
                 f"scaling={config.scaling!r} is not supported by PipelineAccumulator: its schedule runs "
@@ -107,11 +107,14 @@ class PipelineAccumulator(EngineFace):
             pipeline=True,
             synced=stages[0].submod,
         )
-        assert self._engine.layout is not None
+        layout = self._engine.layout
+        assert layout is not None
+        data_names = [layout.names[r] for r in DATA_ROLES if r in layout.names]
+        _check_ddp([s.submod for s in stages], self._schedule_name, mesh, data_names)
         stage_count = stages[0].num_stages
-        if stage_count != self._engine.layout.pp * len(stages):
+        if stage_count != layout.pp * len(stages):
             raise ConfigError(
-                f"the pipeline has {stage_count} stages but the mesh has pp={self._engine.layout.pp} "
+                f"the pipeline has {stage_count} stages but the mesh has pp={layout.pp} "
                 f"ranks holding {len(stages)} stage(s) each"
             )
 
@@ -196,25 +199,46 @@ class PipelineAccumulator(EngineFace):
         return engine.conclude(counted, Accumulated(loss, zero, False, k))
 
 
-def _refuse_ddp(submods: list[nn.Module]) -> None:
-    """DDP inside a torch 2.13 pipeline schedule reduces by a factor that is not stable: refused.
+_DDP_SCHEDULES = ("1F1B", "Interleaved1F1B", "Schedule1F1B", "ScheduleInterleaved1F1B")
+"""The schedules in which DDP stage modules were measured exact (float64, several windows)."""
+
+
+def _check_ddp(submods: list[nn.Module], schedule: str, mesh: Any, data_names: Sequence[str]) -> None:
+    """DDP stage modules: only in the schedules where they were measured exact, and only reducing
+    over this rank's data-parallel ranks (the ``F`` of F/N is their number).
 
     The schedules run every DDP forward under ``no_sync`` and prepare the reducer by hand before
-    the last backward. Measured on 2 gloo ranks (float64, the same window): GPipe and 1F1B summed
-    the gradients in a fresh process and averaged them once another DDP module had run in the
-    process; Interleaved1F1B averaged; a summing communication hook gave neither (a relative error
-    of 0.32). No factor the step could apply is right every time, so the stages must be sharded
-    with FSDP2 (``fully_shard``), whose reduction the schedules drive explicitly.
+    each stage's last backward. In 1F1B and Interleaved1F1B that reduces once per window, an
+    average over DDP's group (tests/mesh/test_pipeline.py: exact over two windows). GPipe runs every
+    forward before the first backward, and torch 2.13's reducer fails its second window with an
+    internal assert (``params_.size() == rebuilt_param_indices_.size()``), so it is refused here,
+    before anything runs. A DDP whose group is not the data ranks would average over other
+    stages' or TP ranks' gradients.
     """
+    from torch.distributed import get_process_group_ranks
     from torch.nn.parallel import DistributedDataParallel
 
-    if any(isinstance(m, DistributedDataParallel) for m in submods):
+    ddp = [m for m in submods if isinstance(m, DistributedDataParallel)]
+    if not ddp:
+        return
+    if schedule not in _DDP_SCHEDULES:
         raise ConfigError(
-            "a pipeline stage's module is wrapped in DistributedDataParallel: inside torch's pipeline "
-            "schedules its gradient reduction is not a stable average or sum (measured: it depends on "
-            "the schedule and on what ran before in the process), so no exact factor exists. Shard the "
-            "stage modules with FSDP2 (fully_shard over the data dimensions) instead, as torchtitan does."
+            f"a pipeline stage's module is wrapped in DistributedDataParallel, which torch 2.13's "
+            f"{schedule} schedule does not drive correctly (GPipe: the reducer fails its second "
+            "window with an internal assert). Use schedule='1F1B' or 'Interleaved1F1B' with DDP, "
+            "or shard the stage modules with FSDP2 (fully_shard over the data dimensions)."
         )
+    data = mesh[tuple(data_names)] if len(data_names) > 1 else mesh[data_names[0]] if data_names else None
+    want = sorted(data.mesh.flatten().tolist()) if data is not None else []
+    for module in ddp:
+        got = sorted(get_process_group_ranks(module.process_group))
+        if got != want:
+            raise ConfigError(
+                f"a pipeline stage's DistributedDataParallel reduces over ranks {got}, but this rank's "
+                f"data-parallel ranks on the mesh are {want}: build it with "
+                "process_group=mesh[<data dimension>].get_group(), so that it averages the same stage "
+                "over the ranks that hold other tokens."
+            )
 
 
 def _target(micro_batch: Any) -> Any:
