@@ -6,20 +6,21 @@ only the five criteria that do not are asserted to pass on a correct workload.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from gradaccum.batch import split
-from gradaccum.bench.accept import AcceptResult, AcceptSpec, partition, run_accept
+from gradaccum.bench.accept import AcceptResult, AcceptSpec, Arm, make_runcard, partition, run_accept
 from gradaccum.bench.measure import measure_paired_safely, measure_safely
 from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
 from gradaccum.bench.spec import MeasureSettings, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.check.workload import load_workload
 from gradaccum.errors import BenchError, PlanError, RunCardError
 from gradaccum.plan import BatchPlan, windows
-from gradaccum.runcard import environment, read_runcard
+from gradaccum.runcard import environment, read_runcard, write_runcard
 from gradaccum.step.accumulator import Accumulator
 
 GPT = "gradaccum.examples:tiny_gpt"
@@ -53,6 +54,53 @@ def test_fewer_than_three_runs_are_refused() -> None:
 def test_the_check_partitions_the_whole_global_batch() -> None:
     assert partition(plan(4, 2)) == [4, 4]
     assert partition(plan(2, 3, dp=2)) == [2] * 6  # every rank's micro-batches, one process
+
+
+def test_each_arm_carries_its_own_scaling() -> None:
+    settings = MeasureSettings(steps=4, warmup=1)
+    spec = AcceptSpec(
+        baseline=plan(4, 2),
+        candidate=plan(4, 2),
+        candidate_scaling="post",
+        settings=settings,
+        block_updates=1,
+    )
+    assert spec.scalings == ("pre", "post")
+    assert (spec.label_of("baseline"), spec.label_of("candidate")) == ("4x2 pre", "4x2 post")
+    assert (spec.accum_of("baseline").scaling, spec.accum_of("candidate").scaling) == ("pre", "post")
+    assert spec.accum == spec.accum_of("baseline")  # the shared settings, as before, with pre
+    paired = spec.paired_spec()
+    assert (paired.baseline.scaling, paired.candidate.scaling) == ("pre", "post")
+    assert spec.arm_spec("candidate") == spec.measure_spec(plan(4, 2), scaling="post")
+    quality = AcceptSpec(
+        baseline=plan(4, 2),
+        candidate=plan(2, 4),
+        baseline_scaling="post",
+        quality_steps=2,
+        settings=settings,
+        block_updates=1,
+    ).quality_spec()
+    assert quality is not None
+    assert (quality.accum_of("baseline").scaling, quality.accum_of("candidate").scaling) == ("post", "pre")
+    # with both arms pre (the default) the labels stay the plans, as results.json has always had them
+    plain = AcceptSpec(baseline=plan(4, 2), candidate=plan(2, 4), settings=settings, block_updates=1)
+    assert (plain.label_of("baseline"), plain.label_of("candidate")) == ("4x2", "2x4")
+    # an A/A run (same plan, same scaling) stays allowed as a noise check
+    AcceptSpec(baseline=plan(4, 2), candidate=plan(4, 2), settings=settings, block_updates=1)
+
+
+def test_a_scaling_that_cannot_run_is_refused_before_anything_runs() -> None:
+    with pytest.raises(BenchError, match="scaling must be 'pre' .* or 'post' .*, got 'late'"):
+        AcceptSpec(baseline=plan(4, 2), candidate=plan(2, 4), candidate_scaling="late")  # type: ignore[arg-type]
+    undeferred = MeasureSettings(defer_sync=False)
+    with pytest.raises(BenchError, match=r"scaling 'post' under data parallelism \(dp=2\)"):
+        AcceptSpec(
+            baseline=plan(4, 2, dp=2),
+            candidate=plan(4, 2, dp=2),
+            candidate_scaling="post",
+            settings=undeferred,
+        )
+    AcceptSpec(baseline=plan(4, 2), candidate=plan(4, 2), candidate_scaling="post", settings=undeferred)
 
 
 def accept_tiny(root: Path, workload: str = GPT) -> tuple[AcceptResult, Path, list[Path]]:
@@ -134,6 +182,28 @@ def test_the_run_card_round_trips_into_a_plan_and_an_accumulator(
     step = acc.step(window, workload.loss_fn, workload.count_fn)
     assert step.applied and step.micro_batches == card.plan.accum_steps
     assert step.global_count == int(workload.count_fn(batch))
+
+
+def test_the_run_card_records_the_chosen_arms_scaling(
+    accepted: tuple[AcceptResult, Path, list[Path]], tmp_path: Path
+) -> None:
+    result, _, _ = accepted
+    spec = dataclasses.replace(result.spec, candidate_scaling="post")
+    arms: tuple[Arm, Arm] = ("baseline", "candidate")
+    summaries = {arm: dataclasses.replace(getattr(result, arm), spec=spec.arm_spec(arm)) for arm in arms}
+    env = environment()
+    for decision, arm, scaling in (("ADOPT", "candidate", "post"), ("KEEP BASELINE", "baseline", "pre")):
+        verdict = dataclasses.replace(result.verdict, decision=decision)
+        card = make_runcard(spec, verdict, summaries[arm], env, "tokens")
+        assert card.accum.scaling == scaling and card.extra["chosen"] == arm
+        assert (card.extra["baseline_scaling"], card.extra["candidate_scaling"]) == ("pre", "post")
+        write_runcard(card, tmp_path / "runcard.json")
+        replayed = read_runcard(tmp_path / "runcard.json")
+        assert replayed == card
+        workload = load_workload(replayed.workload)
+        model = workload.build_model()
+        acc = Accumulator.from_config(model, workload.optimizer_factory(model.parameters()), replayed.accum)
+        assert acc.config.scaling == scaling
 
 
 def test_broken_arithmetic_fails_the_equivalence_criterion(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from gradaccum.cli.main import main
 from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import environment
+from gradaccum.step.config import AccumConfig
 from gradaccum.train.data import eval_seed, train_seed
 from tests.bench import workloads
 from tests.bench.test_accept import in_process
@@ -120,6 +121,30 @@ def test_the_tiny_gpt_partitionings_agree_within_the_interval(
     assert all((folder / "quality" / r / "metrics.jsonl").exists() for r in runs)  # train's own records
     report = (folder / "report.md").read_text()
     assert "## Quality run" in report and "Short equivalence checks cannot guarantee" in report
+
+
+def test_each_arm_trains_with_its_own_scaling(tmp_path: Path) -> None:
+    post = AccumConfig(max_grad_norm=1.0, scaling="post")
+    spec = QualitySpec(
+        workload=GPT,
+        baseline=plan(4, 2),
+        candidate=plan(4, 2),
+        steps=2,
+        seeds=2,
+        eval_examples=8,
+        accum=AccumConfig(max_grad_norm=1.0),
+        candidate_accum=post,
+        threads=1,
+    )
+    quality = run_quality(spec, tmp_path)
+    assert (quality.baseline.label, quality.candidate.label) == ("4x2 pre", "4x2 post")
+    for arm, scaling in (("baseline", "pre"), ("candidate", "post")):
+        for seed in (0, 1):
+            card = json.loads((tmp_path / f"{arm}-seed{seed}" / "runcard.json").read_text())
+            assert card["accum"]["scaling"] == scaling
+    # the same update in exact arithmetic: float32 rounding over 2 updates, far below the seeds' spread
+    assert max(abs(d) for d in quality.paired_differences) < 1e-4
+    assert spec.to_dict()["candidate_accum"]["scaling"] == "post"
 
 
 def test_accept_on_the_batchnorm_cnn_reports_both_arms_over_the_seeds_with_intervals(tmp_path: Path) -> None:

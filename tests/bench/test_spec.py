@@ -28,6 +28,7 @@ ACCEPT_KEYS = [
     "threads", "bucket_cap_mb", "seed", "max_grad_norm",
     "quality_steps", "quality_seeds", "quality_eval_examples",  # issue 15: appended
     "compile",  # issue 23: appended
+    "baseline_scaling", "candidate_scaling",  # issue 22: appended (each arm's AccumConfig.scaling)
 ]  # fmt: skip
 SETTINGS = MeasureSettings(
     runs=4, steps=20, warmup=2, precision="float64", defer_sync=False, threads=2, bucket_cap_mb=5.0, seed=9
@@ -91,6 +92,20 @@ def test_accept_results_keep_their_flat_spec_record_and_its_defaults() -> None:
     assert spec.measure_spec(plan(2, 4)) == SETTINGS.measure_spec(spec.workload, plan(2, 4))
     default = AcceptSpec(baseline=plan(4, 2), candidate=plan(2, 4))
     assert default.settings == ACCEPT_SETTINGS and (ACCEPT_SETTINGS.runs, ACCEPT_SETTINGS.steps) == (3, 50)
+    assert (data["baseline_scaling"], data["candidate_scaling"]) == ("pre", "pre")
+
+
+def test_a_measured_configuration_carries_its_scaling_through_json() -> None:
+    pre = SETTINGS.measure_spec("m:f", plan(4, 2))
+    post = SETTINGS.measure_spec("m:f", plan(4, 2), scaling="post")
+    assert (pre.scaling, post.scaling) == ("pre", "post")
+    assert (pre.row_label, post.row_label) == ("4x2 no-defer", "4x2 no-defer post")
+    assert MeasureSpec.from_dict(post.to_dict()) == post
+    old = pre.to_dict()
+    del old["scaling"]  # a record written before issue 22 reads as pre-scaling
+    assert MeasureSpec.from_dict(old) == pre
+    with pytest.raises(BenchError, match="scaling must be 'pre' .* or 'post' .*, got 'late'"):
+        MeasureSpec(workload="m:f", micro_batch=1, accum_steps=1, scaling="late")  # type: ignore[arg-type]
 
 
 def test_accept_needs_three_runs_and_a_workload_it_can_name() -> None:

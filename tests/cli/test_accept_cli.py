@@ -226,6 +226,60 @@ def test_the_card_carries_the_training_settings_and_train_runcard_takes_them(
     assert trained.accum.max_grad_norm == 0.5 and trained.accum.max_consecutive_skips == 4
 
 
+def test_pre_and_post_scaling_compete_as_two_arms_and_the_card_trains_the_chosen_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
+    arms = [
+        "--baseline", "4x2", "--baseline-scaling", "post", "--candidate", "4x2", "--candidate-scaling", "pre",
+    ]  # fmt: skip
+    # deterministic: no gain of 10^6 is reached, so KEEP BASELINE, and the card records the
+    # baseline's post-scaling (test_accept.py shows an adopted candidate's scaling in the card)
+    code = main(["accept", *arms, "--margin", "1000000", "--out-dir", str(tmp_path / "runs"), *FAST])
+    out = capsys.readouterr().out
+    assert code == 0
+    folder = only_folder(tmp_path / "runs")
+    results = json.loads((folder / "results.json").read_text())
+    spec = results["spec"]
+    assert (spec["baseline"], spec["candidate"]) == ("4x2", "4x2")  # the plan fields as before
+    assert (spec["baseline_scaling"], spec["candidate_scaling"]) == ("post", "pre")
+    assert (results["baseline"]["scaling"], results["candidate"]["scaling"]) == ("post", "pre")
+    assert (results["baseline"]["row_label"], results["candidate"]["row_label"]) == ("4x2 post", "4x2")
+    # every measured run built each arm's accumulator with that arm's scaling
+    paired = [(r["spec"]["baseline"]["scaling"], r["spec"]["candidate"]["scaling"]) for r in results["runs"]]
+    assert paired == [("post", "pre")] * 3
+    assert [r["spec"]["scaling"] for r in results["memory_runs"]] == ["post", "pre"]
+    assert "measuring 4x2 post vs 4x2 pre run 3" in out  # the progress lines tell the arms apart
+    # both pass the float64 check against the full batch, each with its own accumulator, and the traces
+    equivalence = results["equivalence"]
+    assert [(p["label"], p["passed"]) for p in equivalence["params"]] == [
+        ("baseline 4x2 post", True),
+        ("candidate 4x2 pre", True),
+    ]
+    assert equivalence["details"]["equivalence_baseline"]["candidate"] == "Accumulator.step (scaling='post')"
+    assert equivalence["details"]["equivalence_candidate"]["candidate"] == "Accumulator.step"
+    assert equivalence["trace"]["passed"]
+    assert results["verdict"]["decision"] == "KEEP BASELINE"
+    assert "baseline 4x2 post vs candidate 4x2 pre on" in out
+    equation = BatchPlan(micro_batch=4, accum_steps=2).equation()
+    assert f"KEEP BASELINE: the run card records 4x2 ({equation}), scaling post." in out
+    card_path = folder / "runcard.json"
+    card = read_runcard(card_path)
+    assert card.accum.scaling == "post" and card.plan == BatchPlan(micro_batch=4, accum_steps=2)
+    assert (card.extra["baseline_scaling"], card.extra["candidate_scaling"]) == ("post", "pre")
+    capsys.readouterr()
+    run_dir = tmp_path / "train"
+    assert main(["train", "--runcard", str(card_path), "--steps", "2", "--run-dir", str(run_dir)]) == 0
+    assert read_runcard(run_dir / "runcard.json").accum.scaling == "post"
+
+
+def test_a_scaling_accept_does_not_know_is_refused_at_parse_time(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["accept", "--candidate-scaling", "late"])
+    assert refused.value.code == 2
+    assert "argument --candidate-scaling: invalid choice: 'late'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["accept", "bench"])
 def test_a_plan_that_cannot_fit_is_refused_up_front_with_the_estimate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str

@@ -29,6 +29,7 @@ CONFIG_FIELDS = {
     # issue 25: the step's phases that add up
     "count_ms", "other_ms", "phase_means_ms",
     "compile", "compile_s", "recompiles",  # issue 23: eager or compiled rows
+    "scaling",  # issue 22: the row's AccumConfig.scaling (accept's arms may differ in it)
 }  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from gradaccum.cli.main import main
 from gradaccum.examples import tiny_gpt
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard, write_runcard
+from gradaccum.step.accumulator import Accumulator
 from gradaccum.step.config import AccumConfig
 from tests.train.common import one_thread
 
@@ -114,6 +115,44 @@ def test_runcard_trains_exactly_the_recorded_configuration(
         3,
     )
     assert trained["accum"]["max_grad_norm"] == 0.5
+
+
+def test_a_post_scaling_runcard_trains_with_a_post_scaling_accumulator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # what accept writes when a post-scaling arm is chosen; train must build that accumulator
+    card = tmp_path / "card.json"
+    plan = BatchPlan(micro_batch=4, accum_steps=2, dp=1)
+    write_runcard(
+        RunCard(workload="gradaccum.examples:tiny_gpt", plan=plan, accum=AccumConfig(scaling="post")), card
+    )
+    built: list[Accumulator] = []
+    from_config = Accumulator.from_config
+
+    def spy(*args: Any, **kwargs: Any) -> Accumulator:
+        built.append(from_config(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(Accumulator, "from_config", spy)
+    assert main(["train", "--runcard", str(card), "--steps", "2", "--run-dir", str(tmp_path / "run")]) == 0
+    assert "scaling post" in capsys.readouterr().out  # the start banner says what the card fixed
+    assert [acc.config.scaling for acc in built] == ["post"]
+    trained = json.loads((tmp_path / "run" / "runcard.json").read_text())
+    assert trained["accum"]["scaling"] == "post"
+    # --scaling is not one of the fields a card fixes (both modes give the same update): it overrides
+    again = [
+        "train",
+        "--runcard",
+        str(card),
+        "--scaling",
+        "pre",
+        "--steps",
+        "1",
+        "--run-dir",
+        str(tmp_path / "pre"),
+    ]
+    assert main(again) == 0
+    assert [acc.config.scaling for acc in built] == ["post", "pre"]
 
 
 def test_runcard_with_another_dp_or_conflicting_flags_is_refused(

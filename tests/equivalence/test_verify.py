@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from gradaccum.batch import split
 from gradaccum.check.equivalence import EquivalenceReport, verify, verify_workload
-from gradaccum.errors import CountError, EquivalenceError, PlanError, WorkloadError
+from gradaccum.errors import ConfigError, CountError, EquivalenceError, PlanError, WorkloadError
 from gradaccum.examples import bn_cnn, contrastive, tiny_gpt
 from gradaccum.loss import count_examples
 from tests.helpers import models
@@ -40,6 +40,20 @@ def test_tiny_gpt_passes(sizes: list[int] | None) -> None:
     assert errors == sorted(errors, reverse=True)
     assert {row.name for row in report.worst} == {n for n, _ in tiny_gpt().build_model().named_parameters()}
     assert report.raise_if_failed() is report
+
+
+def test_post_scaling_is_checked_with_the_same_tolerances() -> None:
+    # the candidate streams the window and scales the gradients once after it (issue 22): one
+    # rounding more than pre-scaling, still far inside EXACT in float64
+    report = verify_workload(tiny_gpt(), sizes=[1, 3, 4], scaling="post")
+    assert report.passed, report.summary()
+    assert report.grad_max_rel_err < EXACT and report.param_max_abs_diff < EXACT
+    assert report.candidate == "Accumulator.step (scaling='post')"
+    w = tiny_gpt()
+    with pytest.raises(ConfigError, match="a candidate_step replaces that Accumulator"):
+        verify(w.build_model, w.batch(0), w.loss_fn, w.count_fn, candidate_step=print, scaling="post")
+    with pytest.raises(ConfigError, match=r"scaling must be one of \['pre', 'post'\], got 'late'"):
+        verify_workload(w, scaling="late")  # type: ignore[arg-type]
 
 
 def test_bn_cnn_fails_and_names_each_batchnorm() -> None:

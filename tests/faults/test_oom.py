@@ -89,6 +89,63 @@ def test_oom_in_the_last_backward_is_retried_on_one_process() -> None:
     assert rel_err({n: p.grad for n, p in model.named_parameters()}, want) < F64_RTOL
 
 
+def _backward_oom_on(model: nn.Module, call: int) -> None:
+    """Raise an OOM from the ``call``-th backward through the model's last layer."""
+    backwards = {"n": 0}
+
+    def maybe_oom(grad: torch.Tensor) -> torch.Tensor:
+        backwards["n"] += 1
+        if backwards["n"] == call:
+            raise _oom()
+        return grad
+
+    model[2].weight.register_hook(maybe_oom)
+
+
+def _forward_oom_on(model: nn.Module, call: int) -> None:
+    """Raise an OOM from the ``call``-th forward of a micro-batch of more than 2 examples."""
+    model[0].register_forward_hook(Trip(_oom, calls={call}, when=_rows_over(2)))
+
+
+@pytest.mark.parametrize(
+    ("fault", "call"),
+    [(_forward_oom_on, 2), (_backward_oom_on, 3)],  # mid-window forward; the last backward (k = 3)
+    ids=["forward mid-window", "last backward"],
+)
+def test_step_adaptive_composes_with_post_scaling(fault: Any, call: int) -> None:
+    """Post-scaling streams the window and scales the gradients after it; a retry after an OOM must
+    leave nothing of the failed attempt (its gradients, its count, the constant c the next window
+    takes from this one's N), so pre and post give the same two updates and post the same bits as
+    an uninterrupted post run at the micro-batch that fit."""
+    batches = [models.mlp_batch(12, seed=3), models.mlp_batch(12, seed=9)]
+    runs: dict[str, nn.Module] = {}
+    for scaling in ("pre", "post"):
+        model = runs[scaling] = models.mlp()
+        fault(model, call)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), scaling=scaling)
+        adaptive = AdaptiveMicroBatch(acc, 4)
+        for batch in batches:
+            result = adaptive.step(batch, models.mlp_loss, models.count_rows)
+            assert result.applied and result.micro_batches == 6
+            assert result.global_count == int(batch["w"].sum())
+        assert adaptive.micro_batch == 2 and adaptive.reductions == [(1, 4, 2)]
+        assert (acc.steps_applied, acc.steps_skipped) == (2, 0)
+    # float64: pre and post differ by post's one extra rounding (the W/(N c) multiply) per update
+    assert rel_err(params(runs["post"]), params(runs["pre"])) < F64_RTOL
+    assert (
+        rel_err(
+            {n: p.grad for n, p in runs["post"].named_parameters()},
+            {n: p.grad for n, p in runs["pre"].named_parameters()},
+        )
+        < F64_RTOL
+    )
+    plain = models.mlp()
+    plain_acc = Accumulator(plain, torch.optim.SGD(plain.parameters(), lr=0.1), scaling="post")
+    for batch in batches:
+        plain_acc.step(split(batch, micro_batch=2), models.mlp_loss, models.count_rows)
+    assert same(params(runs["post"]), params(plain))
+
+
 def test_retry_restores_the_random_generator_so_dropout_matches_an_uninterrupted_run() -> None:
     def dropout_mlp() -> nn.Module:
         with torch.random.fork_rng(devices=[]):

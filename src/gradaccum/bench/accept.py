@@ -20,6 +20,10 @@
 
 The checks (1, 2) run in this process with the workload imported here; the measurements (3, 4) go
 through a ``launch`` function, normally fresh worker processes.
+
+Each arm is a plan and a scaling (``AccumConfig.scaling``, ``pre`` by default): comparing
+``pre`` against ``post`` at one plan runs the same protocol, each arm's float64 check, traces,
+memory and timing with its own scaling, and the run card records the chosen arm's.
 """
 
 from __future__ import annotations
@@ -27,14 +31,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from gradaccum.bench.models import CommModel, MemoryModel, memory_model_of
 from gradaccum.bench.quality import MIN_SEEDS, QualityResult, QualitySpec, quality_reasons
 from gradaccum.bench.runner import Launch
-from gradaccum.bench.spec import MeasureSettings, MeasureSpec, PairedRecord, PairedSpec, RunRecord
+from gradaccum.bench.spec import (
+    MeasureSettings,
+    MeasureSpec,
+    PairedRecord,
+    PairedSpec,
+    RunRecord,
+    check_scaling,
+)
 from gradaccum.bench.stats import ConfigSummary, summarize
 from gradaccum.bench.sweep import ProgressEvent, comm_of, run_jobs
 from gradaccum.bench.verdict import (
@@ -51,7 +62,7 @@ from gradaccum.errors import BenchError, PlanError
 from gradaccum.plan import BatchPlan
 from gradaccum.precision import dtype_of
 from gradaccum.runcard import RunCard
-from gradaccum.step.config import AccumConfig
+from gradaccum.step.config import AccumConfig, Scaling
 from gradaccum.values import require_int
 
 __all__ = [
@@ -59,6 +70,7 @@ __all__ = [
     "DEFAULT_WORKLOAD",
     "AcceptResult",
     "AcceptSpec",
+    "Arm",
     "Equivalence",
     "check_equivalence",
     "make_runcard",
@@ -74,6 +86,7 @@ DEFAULT_BLOCK_UPDATES = 5
 MIN_BLOCKS = 4
 """Fewer block pairs per run than this are refused as too short to measure."""
 MEMORY_PROBE_UPDATES = 2
+Arm = Literal["baseline", "candidate"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +122,10 @@ class AcceptSpec:
     """Seeds per configuration of the quality run (two or more: an interval needs them)."""
     quality_eval_examples: int = 64
     """Held-out examples of each quality run's final evaluation."""
+    baseline_scaling: Scaling = "pre"
+    """The baseline's ``AccumConfig.scaling``: ``pre`` or ``post`` (see :mod:`gradaccum.step.stream`)."""
+    candidate_scaling: Scaling = "pre"
+    """The candidate's: ``post`` against a ``pre`` baseline at the same plan compares the two modes."""
 
     def __post_init__(self) -> None:
         b, c = self.baseline, self.candidate
@@ -152,9 +169,42 @@ class AcceptSpec:
         require_int("quality_steps", self.quality_steps, error=BenchError, none_ok=True)
         require_int("quality_seeds", self.quality_seeds, low=MIN_SEEDS, error=BenchError)
         require_int("quality_eval_examples", self.quality_eval_examples, error=BenchError)
+        for scaling in (self.baseline_scaling, self.candidate_scaling):
+            check_scaling(scaling)
+        if "post" in self.scalings and b.dp > 1 and not self.settings.defer_sync:
+            raise BenchError(
+                f"scaling 'post' under data parallelism (dp={b.dp}) synchronizes on the last "
+                "micro-batch only (a rank does not know its window's length before it); measuring it "
+                "without deferred sync cannot run. Keep sync deferred, or compare 'pre' arms."
+            )
         _ = self.accum  # a malformed skip limit is refused now
         _ = self.quality_spec()  # and so is a quality run that cannot be set up
         self.measure_spec(self.baseline)  # a malformed workload is refused now, not after the checks
+
+    @property
+    def scalings(self) -> tuple[Scaling, Scaling]:
+        """(baseline's, candidate's) ``AccumConfig.scaling``."""
+        return self.baseline_scaling, self.candidate_scaling
+
+    def plan_of(self, arm: Arm) -> BatchPlan:
+        return self.baseline if arm == "baseline" else self.candidate
+
+    def scaling_of(self, arm: Arm) -> Scaling:
+        return self.baseline_scaling if arm == "baseline" else self.candidate_scaling
+
+    def label_of(self, arm: Arm) -> str:
+        """The arm's plan (``4x8``), with its scaling once either arm post-scales (``4x8 post``),
+        so that a comparison of the two modes at one plan names its arms apart."""
+        label = self.plan_of(arm).label()
+        return f"{label} {self.scaling_of(arm)}" if "post" in self.scalings else label
+
+    def accum_of(self, arm: Arm) -> AccumConfig:
+        """The accumulator settings of one arm: :attr:`accum` with that arm's scaling."""
+        return dataclasses.replace(self.accum, scaling=self.scaling_of(arm))
+
+    def arm_spec(self, arm: Arm) -> MeasureSpec:
+        """One arm measured with these settings and its own scaling."""
+        return self.measure_spec(self.plan_of(arm), scaling=self.scaling_of(arm))
 
     @property
     def blocks(self) -> int:
@@ -163,11 +213,13 @@ class AcceptSpec:
 
     @property
     def accum(self) -> AccumConfig:
-        """The accumulator settings training will use, as measured and recorded."""
+        """The accumulator settings training will use, as measured and recorded, with the
+        baseline's scaling (:meth:`accum_of` gives either arm's)."""
         return AccumConfig(
             max_grad_norm=self.settings.max_grad_norm,
             defer_sync=self.settings.defer_sync,
             max_consecutive_skips=self.max_consecutive_skips,
+            scaling=self.baseline_scaling,
         )
 
     def quality_spec(self) -> QualitySpec | None:
@@ -186,22 +238,25 @@ class AcceptSpec:
             device=self.settings.device,
             accum=self.accum,
             threads=self.settings.threads,
+            candidate_accum=self.accum_of("candidate"),
         )
 
     def paired_spec(self) -> PairedSpec:
         return PairedSpec(
-            baseline=self.measure_spec(self.baseline),
-            candidate=self.measure_spec(self.candidate),
+            baseline=self.arm_spec("baseline"),
+            candidate=self.arm_spec("candidate"),
             blocks=self.blocks,
             block_updates=self.block_updates,
         )
 
-    def memory_spec(self, plan: BatchPlan) -> MeasureSpec:
+    def memory_spec(self, plan: BatchPlan, *, scaling: Scaling = "pre") -> MeasureSpec:
         """A short single-configuration run in a fresh process, for its memory figures."""
-        return dataclasses.replace(self.measure_spec(plan), steps=MEMORY_PROBE_UPDATES, warmup=1)
+        return dataclasses.replace(
+            self.measure_spec(plan, scaling=scaling), steps=MEMORY_PROBE_UPDATES, warmup=1
+        )
 
-    def measure_spec(self, plan: BatchPlan) -> MeasureSpec:
-        return self.settings.measure_spec(self.workload, plan)
+    def measure_spec(self, plan: BatchPlan, *, scaling: Scaling = "pre") -> MeasureSpec:
+        return self.settings.measure_spec(self.workload, plan, scaling=scaling)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, as results.json has always had it: the settings sit beside the comparison's fields."""
@@ -225,6 +280,8 @@ class AcceptSpec:
         data["quality_seeds"] = self.quality_seeds
         data["quality_eval_examples"] = self.quality_eval_examples
         data["compile"] = self.settings.compile
+        data["baseline_scaling"] = self.baseline_scaling  # appended (issue 22), the earlier keys unchanged
+        data["candidate_scaling"] = self.candidate_scaling
         return data
 
 
@@ -276,7 +333,9 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
     params = []
     details: dict[str, Any] = {}
     batch = workload.make_batch(spec.baseline.global_batch, spec.settings.seed)
-    for name, plan in (("baseline", spec.baseline), ("candidate", spec.candidate)):
+    arms: tuple[Arm, Arm] = ("baseline", "candidate")
+    for name in arms:
+        plan = spec.plan_of(name)
         report = verify(
             workload.build_model,
             batch,
@@ -290,11 +349,12 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
             seed=spec.settings.seed,
             name=workload.name,
             unit=workload.unit,
+            scaling=spec.scaling_of(name),
         )
         details[f"equivalence_{name}"] = _plain(report)
         params.append(
             ParamCheck(
-                label=f"{name} {plan.label()}",
+                label=f"{name} {spec.label_of(name)}",
                 grad_max_rel_err=float(report.grad_max_rel_err),
                 grad_tol=float(report.grad_tol),
                 param_max_abs_diff=float(report.param_max_abs_diff),
@@ -311,7 +371,8 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
         dtype=dtype_of(spec.settings.precision),
         seed=spec.settings.seed,
         device=spec.settings.device,
-        accum=spec.accum,
+        accum=spec.accum_of("baseline"),
+        candidate_accum=spec.accum_of("candidate"),
     )
     details["trace"] = _plain(trace)
     return Equivalence(
@@ -400,9 +461,9 @@ class AcceptResult:
         }
 
 
-def _arm(summary: ConfigSummary) -> ArmFigures:
+def _arm(summary: ConfigSummary, label: str) -> ArmFigures:
     return ArmFigures(
-        label=summary.spec.label,
+        label=label,
         global_batch=summary.plan.global_batch,
         tokens_per_update=tuple(summary.tokens_per_update),
         updates=summary.updates,
@@ -420,7 +481,7 @@ def make_runcard(
     return RunCard(
         workload=spec.workload,
         plan=chosen.plan,
-        accum=spec.accum,
+        accum=dataclasses.replace(spec.accum, scaling=chosen.spec.scaling),
         precision=settings.precision,
         optimizer="workload",
         denominator=unit,
@@ -443,6 +504,8 @@ def make_runcard(
             "tokens_per_step_source": "global valid units of the first measured update "
             f"(make_batch({chosen.plan.global_batch}, seed={settings.seed + 1 + settings.warmup}))",
             "schedule_clock": "optimizer updates (one per window of accum_steps micro-batches)",
+            "baseline_scaling": spec.baseline_scaling,
+            "candidate_scaling": spec.candidate_scaling,
         },
     )
 
@@ -496,7 +559,10 @@ def run_accept(
         equivalence = check_equivalence(spec, workload)
     if on_stage is not None:
         on_stage("measure")
-    probes = [spec.memory_spec(spec.baseline), spec.memory_spec(spec.candidate)]
+    probes = [
+        spec.memory_spec(spec.baseline, scaling=spec.baseline_scaling),
+        spec.memory_spec(spec.candidate, scaling=spec.candidate_scaling),
+    ]
     paired = spec.paired_spec()
     jobs: list[tuple[Any, int]] = [(probes[0], 0), (probes[1], 0)]
     jobs += [(paired, r) for r in range(spec.settings.runs)]
@@ -506,8 +572,8 @@ def run_accept(
     base = _with_memory(summarize(paired.baseline, _arm_runs(records, "baseline")), memory_records[0])
     cand = _with_memory(summarize(paired.candidate, _arm_runs(records, "candidate")), memory_records[1])
     verdict = decide(
-        baseline=_arm(base),
-        candidate=_arm(cand),
+        baseline=_arm(base, spec.label_of("baseline")),
+        candidate=_arm(cand, spec.label_of("candidate")),
         params=equivalence.params,
         trace=equivalence.trace,
         paired=[r.ratios for r in records if r.ok],

@@ -167,6 +167,7 @@ class _Arm:
             scaler=precision.make_scaler(spec.precision, device),
             defer_sync=spec.defer_sync,
             observer=self.clock,
+            scaling=spec.scaling,
         )
         self.loss_fn = precision.autocast_loss(workload.loss_fn, spec.precision, device)
         self.buckets: int | None = None

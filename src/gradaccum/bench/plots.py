@@ -152,7 +152,7 @@ def plot_accept(result: AcceptResult, folder: str | Path) -> list[Path]:
         ax.axhspan(100 * v.interval[0], 100 * v.interval[1], color="grey", alpha=0.2, label="95% interval")
     ax.axhline(100 * v.margin, color="tab:green", linestyle=":", label=f"margin {v.margin:.1%}")
     ax.axhline(0, color="tab:red", linewidth=0.8)
-    labels = f"candidate {result.candidate.spec.label} over baseline {result.baseline.spec.label}"
+    labels = f"candidate {result.spec.label_of('candidate')} over baseline {result.spec.label_of('baseline')}"
     ax.set_title(f"{labels}, per block pair: {v.decision}")
     ax.set_xlabel("block pair (in the order run)")
     ax.set_ylabel("throughput gain, %")
@@ -166,7 +166,7 @@ def plot_accept(result: AcceptResult, folder: str | Path) -> list[Path]:
     arms = [result.baseline, result.candidate]
     _memory_bars(
         ax,
-        [f"baseline {a.spec.label}" for a in arms[:1]] + [f"candidate {arms[1].spec.label}"],
+        [f"baseline {result.spec.label_of('baseline')}", f"candidate {result.spec.label_of('candidate')}"],
         arms,
         result.spec.memory_budget_bytes,
     )

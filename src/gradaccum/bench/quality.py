@@ -108,6 +108,9 @@ class QualitySpec:
     threads: int | None = None
     """``torch.set_num_threads`` while training (restored after); ``None`` leaves torch's. On a
     shared CPU, one thread avoids the stalls of intra-op threads waiting on each other."""
+    candidate_accum: AccumConfig | None = None
+    """The candidate's accumulator settings where they differ from ``accum`` (e.g. its
+    ``scaling``); ``None``: the candidate trains with ``accum`` too."""
 
     def __post_init__(self) -> None:
         require_int("quality steps", self.steps, error=BenchError)
@@ -141,7 +144,14 @@ class QualitySpec:
             "device": self.device,
             "accum": self.accum.to_dict(),
             "threads": self.threads,
+            "candidate_accum": None if self.candidate_accum is None else self.candidate_accum.to_dict(),
         }
+
+    def accum_of(self, arm: str) -> AccumConfig:
+        """What ``arm`` (``baseline`` or ``candidate``) trains with."""
+        if arm == "candidate" and self.candidate_accum is not None:
+            return self.candidate_accum
+        return self.accum
 
 
 def mean_interval(values: Sequence[float]) -> tuple[float, float, float]:
@@ -304,7 +314,7 @@ def _train_one(
         workload=spec.workload,
         steps=spec.steps,
         precision=cast(Precision, spec.precision),
-        accum=replace(spec.accum, track_grad_norm=True),
+        accum=replace(spec.accum_of(arm), track_grad_norm=True),
         seed=seed,
         device=spec.device,
         eval_every=spec.steps,  # once, at the end
@@ -367,10 +377,13 @@ def run_quality(
     finally:
         torch.set_num_threads(threads)
 
+    scalings = {name: spec.accum_of(name).scaling for name in losses}
+
     def arm_of(name: str, plan: BatchPlan) -> QualityArm:
         mean, low, high = mean_interval(losses[name])
         return QualityArm(
-            label=plan.label(),
+            # the scaling too once an arm post-scales: a pre/post comparison at one plan
+            label=plan.label() + (f" {scalings[name]}" if "post" in scalings.values() else ""),
             trained=spec.trained_plan(plan).label(),
             seeds=seeds,
             eval_losses=tuple(losses[name]),

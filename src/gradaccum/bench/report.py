@@ -416,7 +416,8 @@ def verdict_lines(result: AcceptResult) -> list[str]:
     """The decision in words: what it rests on, what would resolve it, what to watch."""
     v, spec = result.verdict, result.spec
     chosen = result.card.plan
-    lines = [f"{v.decision}: the run card records {chosen.label()} ({chosen.equation()})."]
+    scaling = f", scaling {result.card.accum.scaling}" if "post" in spec.scalings else ""
+    lines = [f"{v.decision}: the run card records {chosen.label()} ({chosen.equation()}){scaling}."]
     if v.interval is not None and v.throughput_gain is not None:
         runs = len(v.run_ratios)
         what = (
@@ -492,10 +493,15 @@ def quality_lines(result: AcceptResult) -> list[str]:
         )
     if quality is None:
         ask = "**A representative quality run is needed**" if reasons else "To run one"
+        scalings = "".join(
+            f" --{arm}-scaling {spec.scaling_of(arm)}"
+            for arm in ("baseline", "candidate")
+            if spec.scaling_of(arm) != "pre"
+        )
         lines.append(
             f"{ask}: `gradaccum accept --baseline {spec.baseline.label()} --candidate "
-            f"{spec.candidate.label()} --quality-steps N --seeds 3` trains both from each seed and "
-            "compares their final evaluation loss."
+            f"{spec.candidate.label()}{scalings} --quality-steps N --seeds 3` trains both from each seed "
+            "and compares their final evaluation loss."
         )
         return lines
     lines += [
@@ -531,8 +537,9 @@ def accept_markdown(result: AcceptResult) -> str:
     lines = [
         f"# gradaccum accept: {v.decision}",
         "",
-        f"Baseline {spec.baseline.label()} vs candidate {spec.candidate.label()} (micro-batch x "
-        f"accumulation) on `{spec.workload}`; global batch {spec.baseline.global_batch}; dp "
+        f"Baseline {spec.label_of('baseline')} vs candidate {spec.label_of('candidate')} (micro-batch x "
+        f"accumulation{', scaling' if 'post' in spec.scalings else ''}) on `{spec.workload}`; "
+        f"global batch {spec.baseline.global_batch}; dp "
         f"{spec.baseline.dp}; precision {settings.precision}; clipping at "
         f"{'off' if settings.max_grad_norm is None else settings.max_grad_norm}; device {settings.device}; "
         f"margin {spec.margin:.1%}.",

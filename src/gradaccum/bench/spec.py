@@ -16,6 +16,7 @@ from gradaccum.bench.memory import MemoryFigures
 from gradaccum.errors import BenchError
 from gradaccum.plan import BatchPlan
 from gradaccum.precision import PRECISIONS
+from gradaccum.step.config import SCALINGS, Scaling
 from gradaccum.values import require_int
 
 __all__ = [
@@ -87,6 +88,9 @@ class MeasureSpec:
     """Compile in place (``nn.Module.compile()``, torch's default backend): the model before DDP
     wraps it, or each block after FSDP2 shards it; the warm-up's first update then compiles, and
     its extra time is reported apart (:attr:`Measurement.compile_s`), never in the throughput."""
+    scaling: Scaling = "pre"
+    """The accumulator's ``AccumConfig.scaling``: ``pre`` (count the window, then backpropagate
+    each micro-batch times W/N) or ``post`` (stream it, scale the gradients once after it)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "dp"):
@@ -99,6 +103,7 @@ class MeasureSpec:
         for flag in ("fsdp", "compile"):
             if not isinstance(getattr(self, flag), bool):
                 raise BenchError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        check_scaling(self.scaling)
 
         if self.fsdp and self.dp < 2:
             raise BenchError(
@@ -133,6 +138,8 @@ class MeasureSpec:
             parts.append("no-defer")
         if self.compile:
             parts.append("compiled")
+        if self.scaling != "pre":
+            parts.append(self.scaling)
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,6 +152,15 @@ class MeasureSpec:
         if unknown:
             raise BenchError(f"unknown measurement settings {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+
+def check_scaling(scaling: object) -> None:
+    """Refuse a scaling that ``AccumConfig`` does not know, naming both it knows."""
+    if scaling not in SCALINGS:
+        raise BenchError(
+            f"scaling must be 'pre' (count the window first) or 'post' (stream it, scale the gradients "
+            f"once after it), got {scaling!r}"
+        )
 
 
 def _check_run_settings(settings: MeasureSpec | MeasureSettings) -> None:
@@ -199,8 +215,9 @@ class MeasureSettings:
         if not isinstance(self.compile, bool):
             raise BenchError(f"compile must be True or False, got {self.compile!r}")
 
-    def measure_spec(self, workload: str, plan: BatchPlan) -> MeasureSpec:
-        """One run's configuration: ``plan`` of ``workload`` measured with these settings."""
+    def measure_spec(self, workload: str, plan: BatchPlan, *, scaling: Scaling = "pre") -> MeasureSpec:
+        """One run's configuration: ``plan`` of ``workload`` measured with these settings, its
+        accumulator scaling the gradients as ``scaling`` says."""
         return MeasureSpec(
             workload=workload,
             micro_batch=plan.micro_batch,
@@ -216,6 +233,7 @@ class MeasureSettings:
             bucket_cap_mb=self.bucket_cap_mb,
             max_grad_norm=self.max_grad_norm,
             compile=self.compile,
+            scaling=scaling,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -395,7 +413,11 @@ class PairedSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.baseline.label} vs {self.candidate.label}"
+        """``8x4 vs 4x8``; with the scalings once an arm post-scales: ``4x8 pre vs 4x8 post``."""
+        b, c = self.baseline, self.candidate
+        if "post" in (b.scaling, c.scaling):
+            return f"{b.label} {b.scaling} vs {c.label} {c.scaling}"
+        return f"{b.label} vs {c.label}"
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -206,6 +206,7 @@ class ConfigSummary:
             "compile": self.spec.compile,
             "compile_s": self.compile_s,
             "recompiles": self.recompiles,
+            "scaling": self.spec.scaling,
         }
 
 

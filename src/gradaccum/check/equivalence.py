@@ -44,10 +44,11 @@ from gradaccum.check.runs import (
 from gradaccum.check.tolerances import GRAD_TOLERANCES, PARAM_TOLERANCES, Tolerance
 from gradaccum.check.traces import TraceReport, compare_traces
 from gradaccum.check.workload import OptimizerFactory, Workload, sgd
-from gradaccum.errors import PlanError, WorkloadError
+from gradaccum.errors import ConfigError, PlanError, WorkloadError
 from gradaccum.hazards.scanner import scan
 from gradaccum.precision import dtype_name
 from gradaccum.step.accumulator import CountFn, LossFn
+from gradaccum.step.config import SCALINGS, Scaling
 
 __all__ = [
     "GRAD_TOLERANCES",
@@ -92,6 +93,7 @@ def verify(
     unit: str = "units",
     audit: bool = True,
     compile: bool = False,
+    scaling: Scaling = "pre",
 ) -> EquivalenceReport:
     """Check that accumulating ``batch`` in micro-batches gives the full-batch update.
 
@@ -109,7 +111,17 @@ def verify(
 
     ``compile=True`` compiles the candidate's model in place (``nn.Module.compile()``, torch's
     default backend) and checks the compiled accumulation against the eager full-batch reference.
+
+    ``scaling`` is the candidate accumulator's ``AccumConfig.scaling``: ``post`` checks the streamed
+    window whose gradients are scaled once after it (the same tolerances: it adds one rounding).
     """
+    if scaling not in SCALINGS:
+        raise ConfigError(f"scaling must be one of {list(SCALINGS)}, got {scaling!r}")
+    if candidate_step is not None and scaling != "pre":
+        raise ConfigError(
+            f"scaling={scaling!r} sets the Accumulator that verify builds; a candidate_step replaces "
+            "that Accumulator, so it would not apply. Build the scaling into candidate_step, or drop it."
+        )
     parts = split_sizes(batch_size(batch), micro_batch, sizes)
     grad_tol, param_tol = _tolerances(dtype)
     factory = optimizer_factory or sgd
@@ -145,7 +157,7 @@ def verify(
         torch.manual_seed(seed)
         ref = reference(ref_model, data, loss_fn, count_fn, factory)
         torch.manual_seed(seed)
-        cand = candidate_run(cand_model, micro, loss_fn, count_fn, factory, candidate_step)
+        cand = candidate_run(cand_model, micro, loss_fn, count_fn, factory, candidate_step, scaling)
         rows = compare(names, ref, cand)
         grad_err = max((r.grad_rel_err for r in rows), default=0.0)
         param_err = max((r.param_abs_diff for r in rows), default=0.0)
@@ -182,6 +194,7 @@ def verify(
         disabled=tuple(s.describe() for s in disabled if s.switchable),
         audit=audits,
         candidate=("Accumulator.step" if candidate_step is None else callable_name(candidate_step))
+        + (f" (scaling={scaling!r})" if scaling != "pre" else "")
         + (" (compiled model)" if compile else ""),
         name=name,
         device=str(where),
@@ -198,10 +211,11 @@ def verify_workload(
     candidate_step: CandidateStep | None = None,
     seed: int = 0,
     compile: bool = False,
+    scaling: Scaling = "pre",
 ) -> EquivalenceReport:
     """:func:`verify` on a workload's verification batch (``workload.batch(seed)``), with its
     optimizer and declared hazards; the micro-batch defaults to ``workload.micro_batch``;
-    ``compile`` as in :func:`verify`."""
+    ``compile`` and ``scaling`` as in :func:`verify`."""
     if not isinstance(workload, Workload):
         raise WorkloadError(f"verify_workload needs a gradaccum.Workload, got {type(workload).__name__}")
     if micro_batch is None and sizes is None:
@@ -222,4 +236,5 @@ def verify_workload(
         name=workload.name,
         unit=workload.unit,
         compile=compile,
+        scaling=scaling,
     )

@@ -16,6 +16,7 @@ from gradaccum.check.report import ParamRow
 from gradaccum.check.workload import OptimizerFactory
 from gradaccum.errors import CountError, LossError, WorkloadError
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
+from gradaccum.step.config import Scaling
 
 __all__ = [
     "FLOOR_RATIO",
@@ -118,12 +119,13 @@ def candidate_run(
     count_fn: CountFn,
     factory: OptimizerFactory,
     candidate_step: CandidateStep | None,
+    scaling: Scaling = "pre",
 ) -> Run:
     optimizer = factory(model.parameters())
     if candidate_step is not None:
         candidate_step(model, optimizer, micro)
         return snapshot(model, None)
-    result = Accumulator(model, optimizer).step(micro, loss_fn, count_fn)
+    result = Accumulator(model, optimizer, scaling=scaling).step(micro, loss_fn, count_fn)
     return snapshot(model, result.loss, result.skip_reason)
 
 

@@ -91,6 +91,7 @@ def compare_traces(
     seed: int = 0,
     device: torch.device | str = "cpu",
     accum: AccumConfig | None = None,
+    candidate_accum: AccumConfig | None = None,
 ) -> TraceReport:
     """Run ``steps`` optimizer steps of both partitionings and compare their loss and norm traces.
 
@@ -98,6 +99,8 @@ def compare_traces(
     The model and floating inputs are cast to ``dtype`` (pure low precision: the harsher case;
     autocast is not applied). ``accum``: the accumulator settings both sides run with (the
     production ones: clipping, skip policy); the gradient norm is always tracked.
+    ``candidate_accum``: the candidate's settings where they differ from the baseline's (e.g.
+    ``scaling="post"`` against ``"pre"``); ``None``: the same as ``accum``.
     """
     if not isinstance(workload, Workload):
         raise WorkloadError(f"compare_traces needs a gradaccum.Workload, got {type(workload).__name__}")
@@ -120,7 +123,7 @@ def compare_traces(
     tol = TRACE_TOLERANCES[dtype]
     with torch.random.fork_rng(devices=[where.index or 0] if where.type == "cuda" else []):
         a = _run(workload, base, steps, dtype, where, seed, accum or AccumConfig())
-        b = _run(workload, cand, steps, dtype, where, seed, accum or AccumConfig())
+        b = _run(workload, cand, steps, dtype, where, seed, candidate_accum or accum or AccumConfig())
     loss_diff = _max_rel_diff(a.loss, b.loss)
     norm_diff = _max_rel_diff(a.grad_norm, b.grad_norm)
     same_skips = [math.isnan(x) for x in a.loss] == [math.isnan(x) for x in b.loss]

@@ -41,6 +41,7 @@ from gradaccum.cli.common import (
 )
 from gradaccum.cli.heartbeat import Heartbeat, progress_stage
 from gradaccum.errors import BenchError
+from gradaccum.step.config import SCALINGS
 
 DEFAULT_BASELINE, DEFAULT_CANDIDATE = "8x4", "4x8"
 
@@ -67,7 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "process, alternating in blocks), a verdict with every criterion and a confidence interval "
         "(ADOPT, KEEP BASELINE or INCONCLUSIVE), and a run folder with the run card of the "
         "configuration to use. With no arguments: the bundled tiny GPT, 8x4 vs 4x8. Exit codes: 0 a "
-        "verdict, 1 an equivalence check failed, 2 bad input, 3 inconclusive.",
+        "verdict, 1 an equivalence check failed, 2 bad input, 3 inconclusive. Each arm may also set "
+        "its gradient scaling (--baseline-scaling, --candidate-scaling: pre or post), so that "
+        "pre- and post-scaling are compared as two candidates.",
     )
     p.add_argument(
         "--baseline", default=DEFAULT_BASELINE, help=f"MICROxACCUM in use (default {DEFAULT_BASELINE})"
@@ -75,7 +78,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--candidate",
         default=DEFAULT_CANDIDATE,
-        help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same as --baseline checks the noise",
+        help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same plan and scaling as the baseline "
+        "checks the noise",
+    )
+    scaling = (
+        "gradient scaling: pre (count the window before its first backward) or post (stream it, scale "
+        "the gradients once after it); default pre"
+    )
+    p.add_argument("--baseline-scaling", choices=SCALINGS, default="pre", help=f"the baseline's {scaling}")
+    p.add_argument(
+        "--candidate-scaling",
+        choices=SCALINGS,
+        default="pre",
+        help=f"the candidate's {scaling}. post with --candidate equal to --baseline compares the two "
+        "modes at one plan",
     )
     p.add_argument(
         "--margin",
@@ -181,6 +197,8 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
         quality_steps=args.quality_steps,
         quality_seeds=args.seeds,
         quality_eval_examples=args.quality_eval_examples,
+        baseline_scaling=args.baseline_scaling,
+        candidate_scaling=args.candidate_scaling,
     )
     if spec.settings.runs < 3:
         raise BenchError(f"--runs must be at least 3 (the protocol's minimum), got {spec.settings.runs}")
@@ -240,7 +258,8 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     b, c = spec.baseline, spec.candidate
     clip = "off" if settings.max_grad_norm is None else f"{settings.max_grad_norm:g}"
     console.print(
-        f"baseline {b.label()} vs candidate {c.label()} on {escape(spec.workload)}: global batch "
+        f"baseline {spec.label_of('baseline')} vs candidate {spec.label_of('candidate')} on "
+        f"{escape(spec.workload)}: global batch "
         f"{b.global_batch} ({b.equation()}; {c.equation()}); precision {settings.precision}; clipping at "
         f"{clip}; device {device}; torch threads per worker: {settings.threads or 'default'}"
     )

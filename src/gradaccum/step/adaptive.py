@@ -11,6 +11,10 @@ where the failed attempt began, so dropout draws what an uninterrupted run would
 Limits: an OOM inside the *synchronizing* backward under DDP comes after the agreement; that rank
 raises ``torch.OutOfMemoryError`` and the others fail at the process-group timeout. Under FSDP the
 forwards communicate, so only a single process, or DDP, retries.
+
+Both scalings retry alike: with ``scaling="post"`` a failed attempt leaves neither gradients nor
+its count behind (the constant the next window takes from this one's N is set only by a window that
+finished), so the retry gives the update pre-scaling gives (tests/faults/test_oom.py).
 """
 
 from __future__ import annotations
