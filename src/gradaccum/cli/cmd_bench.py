@@ -208,7 +208,8 @@ def _render(result: SweepResult, device: str, folder: Path) -> None:
     predictions = memory_predictions(result)
     console.print(
         f"global batch {spec.global_batch} = micro-batch x dp {spec.dp} x accumulation; runs per "
-        f"configuration: {spec.settings.runs}, interleaved, a fresh process each; precision {spec.settings.precision}; "
+        f"configuration: {spec.settings.runs}, interleaved, a fresh process each; precision "
+        f"{spec.settings.precision}; "
         f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
     )
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(result.configs)))
