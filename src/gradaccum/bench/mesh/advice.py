@@ -9,13 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from gradaccum.bench.mesh.model import PolicyBench
 from gradaccum.bench.report import fmt_bytes
 from gradaccum.fielddocs import document_fields
-
-if TYPE_CHECKING:
-    from gradaccum.bench.mesh.measure import PolicyBench
 
 __all__ = ["PolicyAdvice", "advise_policy"]
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 from gradaccum.batch import split
 from gradaccum.bench.mesh.advice import PolicyAdvice, advise_policy
 from gradaccum.bench.mesh.counting import MeshCommCounter, fsdp_units, gradient_bytes_held
-from gradaccum.bench.mesh.model import Traffic, held_model, policy_model
+from gradaccum.bench.mesh.model import PolicyBench, Traffic, held_model, policy_model
 from gradaccum.check.workload import Workload
 from gradaccum.errors import ConfigError, WorkloadError
 from gradaccum.fielddocs import document_fields
@@ -29,57 +29,6 @@ from gradaccum.mesh.layout import DATA_ROLES, MeshLayout
 from gradaccum.step.accumulator import Accumulator
 
 __all__ = ["MeshBench", "PolicyBench", "bench_mesh"]
-
-
-@document_fields
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PolicyBench:
-    """One sync policy: measured and modelled communication per update, gradient memory held."""
-
-    policy: str
-    """``defer``, ``defer_replicate`` or ``every``."""
-    measured: tuple[Traffic, ...]
-    """Every collective counted in one update, by mesh dimension."""
-    modelled: tuple[Traffic, ...]
-    """The gradient reductions and the step's all-reduces the model predicts (``bytes`` None:
-    not modelled)."""
-    grad_bytes_held: int
-    """Measured: bytes of the gradient tensors alive after the (k-1)-th backward, the largest over
-    ranks (``.grad`` plus FSDP2's unsharded and partially reduced gradients)."""
-    grad_bytes_held_model: int
-    """The model's figure for the same."""
-
-    @property
-    def comm_bytes(self) -> int:
-        """Every measured byte per update (all-gathers included: the same under every policy)."""
-        return sum(t.bytes or 0 for t in self.measured)
-
-    @property
-    def comm_calls(self) -> int:
-        return sum(t.calls for t in self.measured)
-
-    def disagreements(self) -> list[str]:
-        """Where the measurement differs from the model (empty when they agree)."""
-        got = {(t.collective, t.dimension): t for t in self.measured}
-        out = []
-        for want in self.modelled:
-            have = got.get((want.collective, want.dimension))
-            calls = have.calls if have else 0
-            nbytes = have.bytes if have else 0
-            if calls != want.calls or (want.bytes is not None and nbytes != want.bytes):
-                out.append(
-                    f"{want.collective} over {want.dimension}: measured {calls} calls, {nbytes} B; "
-                    f"modelled {want.calls} calls, {want.bytes} B"
-                )
-        modelled = {(t.collective, t.dimension) for t in self.modelled}
-        for t in self.measured:
-            if t.collective != "all_gather" and (t.collective, t.dimension) not in modelled:
-                out.append(f"{t.collective} over {t.dimension}: {t.calls} calls measured, none modelled")
-        if self.grad_bytes_held != self.grad_bytes_held_model:
-            out.append(
-                f"gradients held: measured {self.grad_bytes_held} B, modelled {self.grad_bytes_held_model} B"
-            )
-        return out
 
 
 @document_fields

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from gradaccum.fielddocs import document_fields
 
-__all__ = ["POLICIES", "STEP_ALL_REDUCES", "Traffic", "held_model", "policy_model"]
+__all__ = ["POLICIES", "STEP_ALL_REDUCES", "PolicyBench", "Traffic", "held_model", "policy_model"]
 
 POLICIES = ("defer", "defer_replicate", "every")
 """The HSDP sync policies, in the order they trade communication for memory."""
@@ -97,3 +97,54 @@ def policy_model(
 def held_model(policy: str, *, grad_bytes: int, shard: int) -> int:
     """Gradient bytes a rank holds between micro-batches under ``policy``."""
     return grad_bytes if policy == "defer" else grad_bytes // shard
+
+
+@document_fields
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyBench:
+    """One sync policy: measured and modelled communication per update, gradient memory held."""
+
+    policy: str
+    """``defer``, ``defer_replicate`` or ``every``."""
+    measured: tuple[Traffic, ...]
+    """Every collective counted in one update, by mesh dimension."""
+    modelled: tuple[Traffic, ...]
+    """The gradient reductions and the step's all-reduces the model predicts (``bytes`` None:
+    not modelled)."""
+    grad_bytes_held: int
+    """Measured: bytes of the gradient tensors alive after the (k-1)-th backward, the largest over
+    ranks (``.grad`` plus FSDP2's unsharded and partially reduced gradients)."""
+    grad_bytes_held_model: int
+    """The model's figure for the same."""
+
+    @property
+    def comm_bytes(self) -> int:
+        """Every measured byte per update (all-gathers included: the same under every policy)."""
+        return sum(t.bytes or 0 for t in self.measured)
+
+    @property
+    def comm_calls(self) -> int:
+        return sum(t.calls for t in self.measured)
+
+    def disagreements(self) -> list[str]:
+        """Where the measurement differs from the model (empty when they agree)."""
+        got = {(t.collective, t.dimension): t for t in self.measured}
+        out = []
+        for want in self.modelled:
+            have = got.get((want.collective, want.dimension))
+            calls = have.calls if have else 0
+            nbytes = have.bytes if have else 0
+            if calls != want.calls or (want.bytes is not None and nbytes != want.bytes):
+                out.append(
+                    f"{want.collective} over {want.dimension}: measured {calls} calls, {nbytes} B; "
+                    f"modelled {want.calls} calls, {want.bytes} B"
+                )
+        modelled = {(t.collective, t.dimension) for t in self.modelled}
+        for t in self.measured:
+            if t.collective != "all_gather" and (t.collective, t.dimension) not in modelled:
+                out.append(f"{t.collective} over {t.dimension}: {t.calls} calls measured, none modelled")
+        if self.grad_bytes_held != self.grad_bytes_held_model:
+            out.append(
+                f"gradients held: measured {self.grad_bytes_held} B, modelled {self.grad_bytes_held_model} B"
+            )
+        return out
