@@ -171,7 +171,8 @@ class PostScalingEngine(WindowEngine):
         assert c is not None
         counted = WindowCount(counts, local, local, None, smallest, 1, self.factor, c)
         self._expected = local / self.factor
-        return counted, Accumulated(self._tally(losses, [])[0], self._zero, False, k)
+        loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self._zero
+        return counted, Accumulated(loss, self._zero, False, k)
 
     def _meet_streamed(self, *args: Any, **kwargs: Any) -> tuple[WindowCount, list[float] | None]:
         """The post-scaling meeting (:meth:`_agree_on_counts`); after a raise there, DDP expects the
