@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -42,6 +43,11 @@ from gradaccum.cli.common import (
 from gradaccum.cli.heartbeat import Heartbeat, progress_stage
 from gradaccum.errors import BenchError
 from gradaccum.step.config import SCALINGS
+
+if TYPE_CHECKING:  # --help imports no torch
+    from pathlib import Path
+
+    from gradaccum.bench.accept import AcceptResult, AcceptSpec
 
 DEFAULT_BASELINE, DEFAULT_CANDIDATE = "8x4", "4x8"
 
@@ -166,42 +172,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
-    from gradaccum.bench.accept import AcceptSpec, check_equivalence, run_accept, with_quality
-    from gradaccum.bench.quality import run_quality
-    from gradaccum.bench.report import (
-        comm_rows,
-        memory_lines,
-        memory_rows,
-        phase_lines,
-        quality_table,
-        time_rows,
-        verdict_lines,
-    )
+    """Flags -> :class:`AcceptSpec` -> checks here, measurements in fresh processes -> the quality
+    run -> the run folder -> the tables and the verdict."""
+    from gradaccum.bench.accept import check_equivalence, run_accept
     from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
     from gradaccum.check.workload import load_workload
     from gradaccum.runcard import environment
 
     dp = resolve_dp(args.dp)
     device = resolve_device(args.device, dp)
-    settings = dataclasses.replace(measure_settings(args, device), max_grad_norm=args.max_grad_norm)
-    spec = AcceptSpec(  # refuses mismatched global batches and too-short runs before anything runs
-        workload=workload_spec(args),
-        baseline=parse_plan(args.baseline, dp),
-        candidate=parse_plan(args.candidate, dp),
-        margin=args.margin,
-        trace_steps=args.trace_steps,
-        settings=settings,
-        block_updates=args.block_updates,
-        max_consecutive_skips=args.max_consecutive_skips,
-        memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
-        quality_steps=args.quality_steps,
-        quality_seeds=args.seeds,
-        quality_eval_examples=args.quality_eval_examples,
-        baseline_scaling=args.baseline_scaling,
-        candidate_scaling=args.candidate_scaling,
-    )
-    if spec.settings.runs < 3:
-        raise BenchError(f"--runs must be at least 3 (the protocol's minimum), got {spec.settings.runs}")
+    spec = _accept_spec(args, dp, device)
+    settings = spec.settings
     beat.stage("loading the workload and estimating its memory")
     workload = load_workload(spec.workload)
     refuse_what_cannot_fit(workload, [spec.baseline, spec.candidate], settings.precision, device, check=True)
@@ -234,27 +215,75 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     if not launching.leader:
         return code
     folder = new_run_folder(args.out_dir, "accept")
-    quality_spec = spec.quality_spec()
-    if quality_spec is not None:
-        # after the measurements and on this process alone (train needs no process group here)
-        with console.status("quality run") as spinner:
-
-            def on_run(arm: str, seed: int, done: int, total: int) -> None:
-                spinner.update(f"quality run {done + 1}/{total}: {arm} seed {seed}")
-                beat.stage(f"quality run {done + 1}/{total}: {arm} seed {seed}")
-
-            quality = run_quality(
-                quality_spec,
-                folder / "quality",
-                workload=workload,
-                reasons=result.quality_reasons,
-                on_run=on_run,
-            )
-        result = with_quality(result, quality)
+    result = _with_quality_run(result, workload, folder, beat)
     beat.stage("writing the run folder (report, plots)")
     write_accept_folder(result, folder)
     beat.stage("done")
+    _render(result, device, folder)
+    return code
 
+
+def _accept_spec(args: argparse.Namespace, dp: int, device: str) -> AcceptSpec:
+    """The protocol the flags describe; refuses mismatched global batches and too-short runs
+    before anything runs."""
+    from gradaccum.bench.accept import AcceptSpec
+
+    settings = dataclasses.replace(measure_settings(args, device), max_grad_norm=args.max_grad_norm)
+    spec = AcceptSpec(
+        workload=workload_spec(args),
+        baseline=parse_plan(args.baseline, dp),
+        candidate=parse_plan(args.candidate, dp),
+        margin=args.margin,
+        trace_steps=args.trace_steps,
+        settings=settings,
+        block_updates=args.block_updates,
+        max_consecutive_skips=args.max_consecutive_skips,
+        memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
+        quality_steps=args.quality_steps,
+        quality_seeds=args.seeds,
+        quality_eval_examples=args.quality_eval_examples,
+        baseline_scaling=args.baseline_scaling,
+        candidate_scaling=args.candidate_scaling,
+    )
+    if spec.settings.runs < 3:
+        raise BenchError(f"--runs must be at least 3 (the protocol's minimum), got {spec.settings.runs}")
+    return spec
+
+
+def _with_quality_run(result: AcceptResult, workload: Any, folder: Path, beat: Heartbeat) -> AcceptResult:
+    """With ``--quality-steps``: both arms trained from several seeds, after the measurements and
+    on this process alone (train needs no process group here)."""
+    from gradaccum.bench.accept import with_quality
+    from gradaccum.bench.quality import run_quality
+
+    quality_spec = result.spec.quality_spec()
+    if quality_spec is None:
+        return result
+    with console.status("quality run") as spinner:
+
+        def on_run(arm: str, seed: int, done: int, total: int) -> None:
+            spinner.update(f"quality run {done + 1}/{total}: {arm} seed {seed}")
+            beat.stage(f"quality run {done + 1}/{total}: {arm} seed {seed}")
+
+        quality = run_quality(
+            quality_spec, folder / "quality", workload=workload, reasons=result.quality_reasons, on_run=on_run
+        )
+    return with_quality(result, quality)
+
+
+def _render(result: AcceptResult, device: str, folder: Path) -> None:
+    """The measurements, the criteria and the verdict, on the console."""
+    from gradaccum.bench.report import (
+        comm_rows,
+        memory_lines,
+        memory_rows,
+        phase_lines,
+        quality_table,
+        time_rows,
+        verdict_lines,
+    )
+
+    spec, settings, verdict = result.spec, result.spec.settings, result.verdict
     b, c = spec.baseline, spec.candidate
     clip = "off" if settings.max_grad_norm is None else f"{settings.max_grad_norm:g}"
     console.print(
@@ -302,4 +331,3 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
             "[yellow]a representative quality run is needed[/yellow]: add --quality-steps N --seeds 3"
         )
     console.print(f"run folder: {escape(str(folder))}")
-    return code
