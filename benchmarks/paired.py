@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 WARMUP_ROUNDS = 3
 """Rounds dropped first: they warm up allocators and caches."""
 
 
-def paired_ratios(runners: dict[str, Callable[[], object]], reference: str, rounds: int) -> dict[str, float]:
-    """Median over ``rounds`` of each runner's time divided by the same round's ``reference`` time."""
+def _paired_rounds(runners: dict[str, Callable[[], object]], rounds: int) -> Iterator[dict[str, float]]:
+    """Each measured round's seconds per runner, the order rotated every round, warm-up dropped."""
     names = list(runners)
-    ratios: dict[str, list[float]] = {name: [] for name in names if name != reference}
     for r in range(rounds + WARMUP_ROUNDS):
         order = names[r % len(names) :] + names[: r % len(names)]
         took: dict[str, float] = {}
@@ -26,9 +25,14 @@ def paired_ratios(runners: dict[str, Callable[[], object]], reference: str, roun
             runners[name]()
             took[name] = time.perf_counter() - start
         if r >= WARMUP_ROUNDS:
-            for name in ratios:
-                ratios[name].append(took[name] / took[reference])
-    return {name: statistics.median(values) for name, values in ratios.items()}
+            yield took
+
+
+def paired_ratios(runners: dict[str, Callable[[], object]], reference: str, rounds: int) -> dict[str, float]:
+    """Median over ``rounds`` of each runner's time divided by the same round's ``reference`` time."""
+    took = list(_paired_rounds(runners, rounds))
+    others = [name for name in runners if name != reference]
+    return {name: statistics.median(t[name] / t[reference] for t in took) for name in others}
 
 
 def paired_differences(
@@ -36,16 +40,6 @@ def paired_differences(
 ) -> dict[str, float]:
     """Median over ``rounds`` of each runner's time minus the same round's ``reference`` time, in
     seconds: what a runner adds, where a ratio would hide it behind the work both do."""
-    names = list(runners)
-    extra: dict[str, list[float]] = {name: [] for name in names if name != reference}
-    for r in range(rounds + WARMUP_ROUNDS):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        took: dict[str, float] = {}
-        for name in order:
-            start = time.perf_counter()
-            runners[name]()
-            took[name] = time.perf_counter() - start
-        if r >= WARMUP_ROUNDS:
-            for name in extra:
-                extra[name].append(took[name] - took[reference])
-    return {name: statistics.median(values) for name, values in extra.items()}
+    took = list(_paired_rounds(runners, rounds))
+    others = [name for name in runners if name != reference]
+    return {name: statistics.median(t[name] - t[reference] for t in took) for name in others}

@@ -7,7 +7,7 @@ annotation and needs the real ``dist.GradBucket`` class, not a string.
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +16,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
+    "CollectiveRecord",
     "CommCounter",
     "Fsdp2CommCounter",
+    "RecordingAllGather",
+    "RecordingReduceScatter",
     "SyncPoints",
     "count_allreduces",
     "count_fsdp2_comms",
@@ -68,35 +71,51 @@ class Fsdp2CommCounter:
         self.allgather_calls = self.allgather_bytes = 0
         self.reduce_scatter_calls = self.reduce_scatter_bytes = 0
 
+    def record(self, collective: str, group: Any, nbytes: int) -> None:
+        if collective == "all_gather":
+            self.allgather_calls += 1
+            self.allgather_bytes += nbytes
+        else:
+            self.reduce_scatter_calls += 1
+            self.reduce_scatter_bytes += nbytes
+
 
 # what FSDP2's defaults call: the *_single names where this torch has them (the older ones warn)
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+CollectiveRecord = Callable[[str, Any, int], None]
+"""``record(collective, group, nbytes)``: told of each collective a recording FSDP2 hook issues."""
+
+
 class _Allocate:
-    """FSDP2's default buffer allocation (``torch.empty``), shared by both counting collectives."""
+    """FSDP2's default buffer allocation (``torch.empty``), shared by both recording collectives."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class _CountingAllGather(_Allocate):
-    # FSDP2's default all-gather, plus the count: the same call into torch.distributed
-    def __init__(self, counter: Fsdp2CommCounter) -> None:
-        self.counter = counter
+class RecordingAllGather(_Allocate):
+    """FSDP2's default all-gather (for ``set_custom_all_gather``), plus a record of it: the same
+    call into torch.distributed; the bytes are the gathered (unsharded) size."""
+
+    def __init__(self, record: CollectiveRecord) -> None:
+        self.record = record
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
     ) -> Any:
-        self.counter.allgather_calls += 1
-        self.counter.allgather_bytes += output_tensor.numel() * output_tensor.element_size()
+        self.record("all_gather", group, output_tensor.numel() * output_tensor.element_size())
         return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class _CountingReduceScatter(_Allocate):
-    def __init__(self, counter: Fsdp2CommCounter) -> None:
-        self.counter = counter
+class RecordingReduceScatter(_Allocate):
+    """FSDP2's default reduce-scatter (for ``set_custom_reduce_scatter``), plus a record of it; the
+    bytes are the reduced (unsharded) size."""
+
+    def __init__(self, record: CollectiveRecord) -> None:
+        self.record = record
 
     def __call__(
         self,
@@ -106,8 +125,7 @@ class _CountingReduceScatter(_Allocate):
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        self.counter.reduce_scatter_calls += 1
-        self.counter.reduce_scatter_bytes += input_tensor.numel() * input_tensor.element_size()
+        self.record("reduce_scatter", group, input_tensor.numel() * input_tensor.element_size())
         return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
@@ -122,8 +140,8 @@ def count_fsdp2_comms(units: list[Any]) -> Fsdp2CommCounter | None:
         return None
     counter = Fsdp2CommCounter()
     for unit in units:
-        unit.set_custom_all_gather(_CountingAllGather(counter))
-        unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))
+        unit.set_custom_all_gather(RecordingAllGather(counter.record))
+        unit.set_custom_reduce_scatter(RecordingReduceScatter(counter.record))
     return counter
 
 

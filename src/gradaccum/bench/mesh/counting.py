@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gradaccum.distributed.comm import RecordingAllGather, RecordingReduceScatter
+
 __all__ = ["MeshCommCounter", "MeshComms", "fsdp_param_groups", "fsdp_units", "gradient_bytes_held"]
 
-# what FSDP2's defaults call: the *_single names where this torch has them (the older ones warn)
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # collectives issued from Python, and which argument is the payload counted
 _PATCHED = {
     "all_reduce": "tensor",
@@ -65,40 +64,6 @@ class MeshComms:
 
 def _nbytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size()) if isinstance(tensor, torch.Tensor) else 0
-
-
-class _Allocate:
-    """FSDP2's default buffer allocation (``torch.empty``)."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _AllGather(_Allocate):
-    def __init__(self, record: Callable[[str, Any, int], None]) -> None:
-        self.record = record
-
-    def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
-    ) -> Any:
-        self.record("all_gather", group, _nbytes(output_tensor))
-        return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-class _ReduceScatter(_Allocate):
-    def __init__(self, record: Callable[[str, Any, int], None]) -> None:
-        self.record = record
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: Any,
-        op: Any,
-        async_op: bool = False,
-    ) -> Any:
-        self.record("reduce_scatter", group, _nbytes(input_tensor))
-        return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -155,8 +120,8 @@ class MeshCommCounter:
         """Install the counting collectives on every FSDP2 unit of ``model``; how many units."""
         units = fsdp_units(model)
         for unit in units:
-            unit.set_custom_all_gather(_AllGather(self._record_fsdp))  # type: ignore[operator]
-            unit.set_custom_reduce_scatter(_ReduceScatter(self._record_fsdp))  # type: ignore[operator]
+            unit.set_custom_all_gather(RecordingAllGather(self._record_fsdp))  # type: ignore[operator]
+            unit.set_custom_reduce_scatter(RecordingReduceScatter(self._record_fsdp))  # type: ignore[operator]
         return len(units)
 
     def _record_fsdp(self, collective: str, group: Any, nbytes: int) -> None:
