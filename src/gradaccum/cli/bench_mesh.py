@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import sys
 from dataclasses import asdict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from gradaccum.cli.common import EXIT_BAD_INPUT, EXIT_OK, console, escape, parse_size, workload_spec
-from gradaccum.errors import BenchError, ConfigError, PlanError
+from gradaccum.cli.common import (
+    EXIT_OK,
+    console,
+    escape,
+    mesh_under_torchrun,
+    parse_size,
+    workload_spec,
+)
+from gradaccum.errors import BenchError, ConfigError
 
 if TYPE_CHECKING:
     from gradaccum.bench.mesh import MeshBench, PolicyBench
@@ -58,20 +62,7 @@ def run_mesh(args: argparse.Namespace) -> int:
             "dimensions (dp_replicate, dp_shard, tp); leave out cp and pp"
         )
     budget = parse_size(args.memory_budget) if args.memory_budget else None
-    ranks = math.prod(shape.values())
-    if "WORLD_SIZE" not in os.environ:
-        print(
-            "gradaccum bench: error: --mesh runs on every rank of the mesh: launch it with torchrun, "
-            f"e.g. torchrun --nproc-per-node {ranks} -m gradaccum bench --mesh {args.mesh}",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
-    world = int(os.environ["WORLD_SIZE"])
-    if world != ranks:  # decided before any rank meets another: every rank exits, none waits
-        raise PlanError(
-            f"--mesh {args.mesh} has {ranks} ranks but torchrun started {world}; make "
-            "--nproc-per-node x nodes equal the product of the mesh's sizes"
-        )
+    mesh_under_torchrun("bench", args.mesh)
     workload = load_workload(workload_spec(args))
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     try:

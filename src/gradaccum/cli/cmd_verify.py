@@ -24,6 +24,7 @@ from gradaccum.cli.common import (
     escape,
     int_at_least,
     mark,
+    mesh_under_torchrun,
     render_findings,
     workload_spec,
 )
@@ -361,30 +362,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_mesh(args: argparse.Namespace, workload: Workload, device: torch.device) -> int:
     """verify --mesh under torchrun: every rank checks, rank 0 prints (see gradaccum.check.mesh)."""
-    import os
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from gradaccum.check.mesh import verify_on_mesh
-    from gradaccum.mesh.layout import parse_mesh
 
-    shape = parse_mesh(args.mesh)
-    ranks = math.prod(shape.values())
-    if "WORLD_SIZE" not in os.environ:
-        print(
-            "gradaccum verify: error: --mesh runs on every rank of the mesh: launch it with torchrun, "
-            f"e.g. torchrun --nproc-per-node {ranks} -m gradaccum verify --mesh {args.mesh}",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
+    shape = mesh_under_torchrun("verify", args.mesh)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        if dist.get_world_size() != ranks:
-            raise PlanError(
-                f"--mesh {args.mesh} has {ranks} ranks but torchrun started "
-                f"{dist.get_world_size()}; make --nproc-per-node x nodes equal the mesh's size"
-            )
         mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
         report = verify_on_mesh(workload, mesh, micro_batch=args.micro_batch)
         if dist.get_rank() == 0:

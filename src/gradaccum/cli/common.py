@@ -8,6 +8,7 @@ loads torch (the choices and defaults come from :mod:`gradaccum.names`), so ``gr
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -68,6 +69,7 @@ __all__ = [
     "make_launching",
     "mark",
     "measure_settings",
+    "mesh_under_torchrun",
     "number_above",
     "output_folder",
     "parse_plan",
@@ -206,6 +208,27 @@ def parse_plan(text: str, dp: int | None = None) -> BatchPlan:
     if dp is not None and int(b) != dp:
         raise PlanError(f"configuration {text} names dp={b} but the run has dp={dp}; pass --dp {b}")
     return BatchPlan(micro_batch=int(a), dp=int(b), accum_steps=int(c))
+
+
+def mesh_under_torchrun(command: str, mesh: str) -> dict[str, int]:
+    """``--mesh NAME=SIZE,...`` for a command that runs on every rank of the mesh: its shape,
+    checked against torchrun's world before any rank meets another (every rank exits, none waits)."""
+    from gradaccum.mesh.layout import parse_mesh
+
+    shape = parse_mesh(mesh)
+    ranks = math.prod(shape.values())
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        raise PlanError(
+            "--mesh runs on every rank of the mesh: launch it with torchrun, e.g. torchrun "
+            f"--nproc-per-node {ranks} -m gradaccum {command} --mesh {mesh}"
+        )
+    if int(world) != ranks:
+        raise PlanError(
+            f"--mesh {mesh} has {ranks} ranks but torchrun started {world}; make --nproc-per-node x "
+            "nodes equal the product of the mesh's sizes"
+        )
+    return shape
 
 
 def parse_size(text: str) -> int:
