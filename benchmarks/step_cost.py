@@ -4,8 +4,9 @@
 k=4 x 2x24 tokens on this CPU) dwarfs the step's and the run-to-run spread (+-5 %) hides a 1 %
 difference. Here the model is one linear layer, so each update's time is almost all framework:
 the paired difference to the hand-written exact loop *is* the step's fixed cost (counting, the
-verdict, the ledger, post-scaling's constant and its one gradient multiply). Divide it by a real
-update's time to get the overhead there.
+verdict, the ledger, post-scaling's constant and its one gradient multiply). The script times the
+bundled GPT's hand-loop update at overhead.py's smallest size too, and prints the fixed cost as a
+ratio to it: the overhead there, without the +-5 % spread of timing two GPT updates.
 
     .venv/bin/python benchmarks/step_cost.py [--rounds 400] [--threads 1]
 """
@@ -62,6 +63,30 @@ def runners(window: list[dict[str, torch.Tensor]]) -> dict[str, Callable[[], obj
     return out
 
 
+def _gpt_hand_update_seconds(rounds: int) -> float:
+    """Median time of the hand-written exact loop on the bundled GPT at k=4 x 2x24 tokens (the
+    size overhead.py's first row times), for reading the fixed cost as a ratio."""
+    import statistics
+    import time
+
+    from overhead import _optimizer, hand_loop
+
+    from gradaccum import split
+    from gradaccum.examples import build_tiny_gpt
+    from gradaccum.examples.gpt import sample_sequences
+
+    window = split(sample_sequences(8, seed=0, max_len=24, min_len=12), micro_batch=2)
+    model = build_tiny_gpt(0)
+    optimizer = _optimizer(model)
+    times = []
+    for r in range(rounds + 3):
+        start = time.perf_counter()
+        hand_loop(model, optimizer, window)
+        if r >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=400)
@@ -73,6 +98,8 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} paired rounds; "
         "median extra time per update over the hand-written exact loop (SGD, Linear(8, 1))"
     )
+    gpt_update = _gpt_hand_update_seconds(args.rounds // 4)
+    print(f"the bundled GPT's hand-loop update at k=4 x 2x24 tokens takes {gpt_update * 1e3:.1f} ms here")
     for k in (4, 64):
         window = [
             {"x": torch.randn(2, 8, generator=gen), "y": torch.randn(2, 1, generator=gen)} for _ in range(k)
@@ -80,6 +107,9 @@ def main() -> None:
         extra = paired_differences(runners(window), "hand", args.rounds)
         cells = "   ".join(f"{name} +{seconds * 1e6:.0f} us" for name, seconds in extra.items())
         print(f"k={k:>2}: {cells}")
+        if k == 4:
+            implied = "   ".join(f"{name} {1 + s / gpt_update:.4f}x" for name, s in extra.items())
+            print(f"      as a ratio to that GPT update: {implied}")
 
 
 if __name__ == "__main__":
