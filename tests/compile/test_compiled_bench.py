@@ -6,10 +6,7 @@ default to ``aot_eager`` (``torch.compiler.set_default_backend``) so that no C++
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 from gradaccum.bench.measure import measure
 from gradaccum.bench.spec import BenchError, Measurement, MeasureSettings, MeasureSpec
@@ -18,15 +15,6 @@ from gradaccum.examples import tiny_gpt
 from gradaccum.plan import BatchPlan
 
 GPT = "gradaccum.examples:tiny_gpt"
-
-
-@pytest.fixture
-def aot_eager_default() -> Iterator[None]:
-    torch.compiler.reset()
-    torch.compiler.set_default_backend("aot_eager")
-    yield
-    torch.compiler.set_default_backend(None)
-    torch.compiler.reset()
 
 
 def test_a_compiled_row_reports_its_compile_time_apart_and_no_recompiles(aot_eager_default: None) -> None:

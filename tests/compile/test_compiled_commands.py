@@ -7,11 +7,9 @@ no C++ is built (inductor itself is exercised in test_compiled_step.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from gradaccum.check.equivalence import verify_workload
 from gradaccum.errors import RunCardError, TrainError
@@ -20,15 +18,6 @@ from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard, read_runcard
 from gradaccum.train import StepRecord, TrainEvent, train
 from tests.train.common import config, one_thread
-
-
-@pytest.fixture
-def aot_eager_default() -> Iterator[None]:
-    torch.compiler.reset()
-    torch.compiler.set_default_backend("aot_eager")
-    yield
-    torch.compiler.set_default_backend(None)
-    torch.compiler.reset()
 
 
 def test_verify_compiles_the_candidate_and_passes_in_float64(aot_eager_default: None) -> None:
