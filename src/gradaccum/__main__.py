@@ -1,5 +1,5 @@
 """``python -m gradaccum``: the same as the ``gradaccum`` command."""
 
-from gradaccum.cli.main import main
+from gradaccum.cli.main import entry
 
-raise SystemExit(main())
+entry()

@@ -18,15 +18,16 @@ import json
 import sys
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from gradaccum.bench.measure import measure_paired_safely, measure_safely
 from gradaccum.bench.spec import RESULT_PREFIX, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.check.workload import load_workload
+from gradaccum.distributed.process_exit import exit_process
 
-__all__ = ["run_job"]
+__all__ = ["main", "run_job"]
 
 
 def run_job(job: dict[str, Any]) -> RunRecord | PairedRecord:
@@ -80,7 +81,9 @@ def _failed(job: dict[str, Any], exc: BaseException) -> RunRecord | PairedRecord
     )
 
 
-def main() -> int:
+def main() -> NoReturn:
+    """Run the job on stdin, print its record, exit 0 if it measured (1 if not); a worker that held a
+    process group exits without finalization (:mod:`gradaccum.distributed.process_exit`)."""
     job: dict[str, Any] = {}
     try:
         job = json.loads(sys.stdin.read())
@@ -91,8 +94,8 @@ def main() -> int:
         record = _failed(job, exc)
     sys.stdout.write(RESULT_PREFIX + json.dumps(record.to_dict()) + "\n")
     sys.stdout.flush()
-    return 0 if record.ok else 1
+    exit_process(0 if record.ok else 1, held_process_group=int(job.get("world", 1)) > 1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

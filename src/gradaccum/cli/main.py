@@ -34,7 +34,7 @@ from gradaccum.cli.exitcodes import (
     EXIT_TERMINATED,
 )
 
-__all__ = ["Terminated", "build_parser", "main"]
+__all__ = ["Terminated", "build_parser", "entry", "main"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -104,6 +104,16 @@ def _exit_while_loading(argv: Sequence[str]) -> Any:
         os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
 
     return handler
+
+
+def entry() -> None:
+    """The ``gradaccum`` command and ``python -m gradaccum``: :func:`main`, then the exit. A process
+    torchrun launched held a process group, so it ends without interpreter finalization (see
+    :mod:`gradaccum.distributed.process_exit`: otherwise a finished run can abort on its way out)."""
+    code = main()
+    from gradaccum.distributed.process_exit import exit_process
+
+    exit_process(code, held_process_group="RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
