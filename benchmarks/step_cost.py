@@ -1,10 +1,12 @@
 """What the step adds to an update, in microseconds, on a model too small to hide it.
 
-``overhead.py`` shows ratios on the bundled GPT, where the model's own work (~26 ms an update at
+``overhead.py`` shows ratios on the bundled GPT, where the model's own work (~10 ms an update at
 k=4 x 2x24 tokens on this CPU) dwarfs the step's and the run-to-run spread (+-5 %) hides a 1 %
 difference. Here the model is one linear layer, so each update's time is almost all framework:
 the paired difference to the hand-written exact loop *is* the step's fixed cost (counting, the
-verdict, the ledger, post-scaling's constant and its one gradient multiply). The script times the
+verdict, the ledger, post-scaling's constant and its one gradient multiply). The "post floor" row
+is those same features written by hand (a dozen lines, one process, int counts): what the step
+could cost at best, printed beside what it does cost. The script times the
 bundled GPT's hand-loop update at overhead.py's smallest size too, and prints the fixed cost as a
 ratio to it: the overhead there, without the +-5 % spread of timing two GPT updates.
 
@@ -14,6 +16,7 @@ ratio to it: the overhead there, without the +-5 % spread of timing two GPT upda
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +63,39 @@ def runners(window: list[dict[str, torch.Tensor]]) -> dict[str, Callable[[], obj
         model = _model()
         acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=1e-3), **settings)
         out[name] = lambda acc=acc: acc.step(window, _loss, _count)
+    out["post floor"] = _post_floor(window)
     return out
+
+
+def _post_floor(window: list[dict[str, torch.Tensor]]) -> Callable[[], None]:
+    """Post-scaling's features written by hand, and nothing else: the floor the step could reach
+    on one process. Each micro-batch backpropagates c * its summed loss (c a power of two from the
+    first count, on the host); then one multiply by 1/(N c), the fused non-finite check, one host
+    read of the summed loss and the flag, and the step only when both are finite."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    found_inf, one = torch.zeros(()), torch.ones(())
+
+    def floor() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        n, losses, c = 0, [], 0.0
+        for mb in window:
+            n_j = _count(mb)
+            n += n_j
+            c = c or 2.0 ** -round(math.log2(max(1, n_j * len(window))))
+            loss = _loss(model, mb)
+            losses.append(loss.detach())
+            (loss * c).backward()
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / (n * c))
+        found_inf.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        loss_sum, flag = torch.stack([torch.stack(losses).sum(), found_inf]).tolist()
+        if math.isfinite(loss_sum) and flag == 0:
+            optimizer.step()
+
+    return floor
 
 
 def _gpt_hand_update_seconds(rounds: int) -> float:
