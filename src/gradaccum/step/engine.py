@@ -586,9 +586,13 @@ class WindowEngine:
         here, in one small all-reduce, with the noise scale's per-rank sums and a mesh's squares.
         Ranks that hold the same tokens (TP) add the same loss: the sum is divided by them.
         """
+        noise = self._noise
+        if not self._distributed and noise is None and self.layout is None:
+            alone = self._read_alone(counted, accumulated, objective, gradient)
+            if alone is not None:
+                return alone, norm
         still_local = self._distributed and not accumulated.loss_is_global
         squares = self.layout is not None and gradient is not None
-        noise = self._noise
         ledger = Ledger(self.device)
         if objective is None:
             ledger.add("loss", accumulated.loss, summed=still_local)
@@ -621,6 +625,29 @@ class WindowEngine:
             norm = settled.device("gradient").sqrt()
             totals = dataclasses.replace(totals, gradient=math.sqrt(max(totals.gradient, 0.0)))
         return totals, norm
+
+    def _read_alone(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        objective: torch.Tensor | None,
+        gradient: torch.Tensor | None,
+    ) -> WindowTotals | None:
+        """One process, nothing to reduce: the six figures in one stack and one read (the ledger
+        packs them one by one, ~40 us more on every update); ``None`` when they are not all 0-dim
+        on one device, for the ledger to pack."""
+        figures = (
+            accumulated.loss if objective is None else objective.detach(),
+            accumulated.rejected,
+            self._zero if gradient is None else gradient,
+            counted.global_count,
+            counted.local_count,
+            self._zero if counted.min_count is None else counted.min_count,
+        )
+        device = figures[0].device
+        if any(f.ndim or f.device != device for f in figures):
+            return None
+        return WindowTotals(*torch.stack(figures).to(torch.float64).tolist())
 
     def _apply_update(
         self,
