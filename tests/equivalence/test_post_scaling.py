@@ -21,7 +21,7 @@ import torch
 from gradaccum import AccumConfig, Accumulator, CachedAccumulator, ConfigError, StepResult, WindowError, split
 from gradaccum.distributed.comm import count_sync_points
 from gradaccum.errors import CacheError, CountError
-from gradaccum.step.stream import DeviceStepResult, post_constant
+from gradaccum.step.stream import DeviceStepResult, host_post_constant, post_constant
 from tests.helpers import models
 from tests.helpers.reference import full_batch_grads, grads_of, max_rel_err, params_of
 
@@ -176,6 +176,30 @@ def test_the_constant_is_a_power_of_two_near_one_over_the_expected_count() -> No
     last = torch.tensor(3000.0, dtype=torch.float64)
     assert post_constant(100, 4, cpu, expected=last, distributed=True).item() == 2.0**-12
     assert post_constant(100, 4, cpu, distributed=True).item() == 1.0
+
+
+def test_the_host_constant_is_the_device_constant() -> None:
+    cpu = torch.device("cpu")
+    for units in [0, 1, 2, 3, 5, 95, 181, 362, 400, 1448, 3000, 10**6 + 7]:
+        device = post_constant(torch.tensor(units), None, cpu).item()
+        assert host_post_constant(units) == device == post_constant(units, None, cpu).item()
+
+
+def test_int_counts_take_the_host_path_and_land_on_the_same_bits_as_tensor_counts() -> None:
+    # one process, int counts: c, W/(N c) and the next window's N' are Python floats, not device
+    # tensors; the float64 operations are the same, so the update is the same to the last bit,
+    # over windows whose c comes from the previous window's N
+    batches = [models.gpt_batch(6, seed=s) for s in (4, 5, 6)]
+    host_model, device_model = models.gpt(), models.gpt()
+    host = Accumulator(host_model, torch.optim.SGD(host_model.parameters(), lr=0.1), scaling="post")
+    device = Accumulator(device_model, torch.optim.SGD(device_model.parameters(), lr=0.1), scaling="post")
+    for sizes, batch in zip([[2, 2, 2], [1, 5], [3, 3]], batches, strict=True):
+        rh = host.step(_lazy(batch, sizes), models.gpt_loss, lambda mb: int(models.tokens(mb)))
+        rd = device.step(_lazy(batch, sizes), models.gpt_loss, models.tokens)
+        assert isinstance(host._engine._expected, float)  # the host path was taken
+        assert rh.loss == rd.loss and rh.global_count == rd.global_count
+    got, want = params_of(host_model), params_of(device_model)
+    assert all(torch.equal(got[name], want[name]) for name in want)
 
 
 def test_a_fused_optimizer_step_reads_nothing_on_the_host_and_still_skips_nonfinite() -> None:

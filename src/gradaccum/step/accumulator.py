@@ -161,15 +161,15 @@ class Accumulator(EngineFace):
         engine.zero_grad()
         model, scaler = engine.model, engine.scaler
         mean = engine.config.loss_reduction == "mean"
-        scales: dict[torch.dtype, torch.Tensor] = {}
+        scales: dict[torch.dtype, torch.Tensor | float] = {}
 
-        def contribute(i: int, mb: Any, count: int | torch.Tensor, c: torch.Tensor) -> Contribution:
+        def contribute(i: int, mb: Any, count: int | torch.Tensor, c: torch.Tensor | float) -> Contribution:
             loss = check_loss(loss_fn(model, mb), i)
             if mean:
                 loss = unmean(loss, count, i)
             scale = scales.get(loss.dtype)
-            if scale is None:  # c is a power of two: exact in every float dtype
-                scale = scales[loss.dtype] = c.to(loss.dtype)
+            if scale is None:  # c is a power of two: exact in every float dtype, and as a float
+                scale = scales[loss.dtype] = c if isinstance(c, float) else c.to(loss.dtype)
             contribution = loss * scale
             if scaler is not None:
                 contribution = scaler.scale(contribution)

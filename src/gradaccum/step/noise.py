@@ -249,7 +249,7 @@ class NoiseScaleMeter:
         counts: Sequence[int | torch.Tensor],
         norm: torch.Tensor | None,
         scaler: Any,
-        rescale: torch.Tensor | None = None,
+        rescale: torch.Tensor | float | None = None,
     ) -> list[torch.Tensor]:
         """Disarm; [P, K, |grad|^2, sigma] as float64 device scalars for the step's summary: P and
         K are this rank's (the step sums them over ranks), the others the same on every rank.
@@ -273,7 +273,7 @@ class NoiseScaleMeter:
         nonempty = n > 0
         small = torch.where(nonempty, torch.stack(squares) / n.clamp(min=1), 0.0).sum()
         if rescale is not None:
-            small = small * rescale.to(_FLOAT64).square()
+            small = small * (rescale**2 if isinstance(rescale, float) else rescale.to(_FLOAT64).square())
         big = self._zero if norm is None else norm.detach().to(_FLOAT64).square()
         # sigma as a device tensor through the public API: scale() multiplies by it (1 if disabled)
         sigma = self._one if scaler is None else scaler.scale(self._one)

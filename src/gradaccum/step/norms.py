@@ -83,8 +83,9 @@ def nonfinite_flag(grads: Sequence[torch.Tensor], *, uniform: bool) -> torch.Ten
     return found.reshape(())
 
 
-def scale_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply every gradient in place by the 0-dim ``factor`` (on the device: no host read), one
+def scale_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor | float) -> None:
+    """Multiply every gradient in place by the 0-dim ``factor`` (on the device: no host read; or a
+    host float, when post-scaling knew it there), one
     foreach multiply per device and dtype; the factor is cast to each gradient's dtype once, so a
     float64 gradient is multiplied by the full-precision factor. DTensor gradients (FSDP2's shards
     after the reduce-scatter) are multiplied shard by shard."""
@@ -92,7 +93,13 @@ def scale_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, dtype), group in groups.items():
-        cast = factor.to(device=device, dtype=dtype)
+        cast: torch.Tensor | float
+        if not isinstance(factor, float):
+            cast = factor.to(device=device, dtype=dtype)
+        elif dtype in (torch.float32, torch.float64):
+            cast = factor  # multiplies as the tensor cast to this dtype would, with no device op
+        else:  # a half dtype would compute with the float32 scalar: cast it as the tensor path does
+            cast = torch.tensor(factor, dtype=torch.float64, device=device).to(dtype)
         plain = all(type(g) is torch.Tensor for g in group)
         if _foreach_mul_ is not None and plain:
             _foreach_mul_(group, cast)

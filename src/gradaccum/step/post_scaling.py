@@ -25,7 +25,13 @@ from gradaccum.step.config import StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.norms import clip_grads_, scale_grads_
-from gradaccum.step.stream import DeviceStepResult, post_constant, reads_found_inf, with_last
+from gradaccum.step.stream import (
+    DeviceStepResult,
+    host_post_constant,
+    post_constant,
+    reads_found_inf,
+    with_last,
+)
 from gradaccum.step.window import Accumulated, Contribution, CountFn, StreamContribute, WindowCount
 
 __all__ = ["PostScalingEngine"]
@@ -41,7 +47,7 @@ class PostScalingEngine(WindowEngine):
         # updates it decided stay there too, [applied, skipped, consecutive], until read
         self._on_device = self._decides_on_device()
         self._device_counters: torch.Tensor | None = None
-        self._expected: torch.Tensor | None = None  # the last window's N / F (on the device)
+        self._expected: torch.Tensor | float | None = None  # the last window's N / F
 
     def _check_post(self) -> None:
         """Refuse what post-scaling cannot do, before the first window."""
@@ -88,7 +94,7 @@ class PostScalingEngine(WindowEngine):
             self._agree_on_length(length)
         counts: list[int | torch.Tensor] = []  # 0-dim tensors or ints: a few bytes per micro-batch
         losses: list[torch.Tensor] = []
-        c: torch.Tensor | None = None
+        c: torch.Tensor | float | None = None
         failure: LocalFailure | None = None
         k = 0
         resync = self._resync
@@ -121,9 +127,7 @@ class PostScalingEngine(WindowEngine):
                     count = as_count(count_fn(mb), i)
                     counts.append(count)
                     if c is None:
-                        c = post_constant(
-                            count, length, self.device, expected=self._expected, distributed=distributed
-                        )
+                        c = self._constant(count, length, distributed)
                     phase = "forward"
                     piece = contribute(i, mb, count, c)
                     if piece.loss is not None:
@@ -169,10 +173,27 @@ class PostScalingEngine(WindowEngine):
         if not k:
             raise WindowError("the window is empty: step needs at least one micro-batch")
         assert c is not None
-        counted = WindowCount(counts, local, local, None, smallest, 1, self.factor, c)
-        self._expected = local / self.factor
+        on_host = all(isinstance(n, int) for n in counts)
+        n_host = sum(int(n) for n in counts) if on_host else None  # ints: no read
+        counted = WindowCount(counts, local, local, n_host, smallest, 1, self.factor, c)
+        self._expected = local / self.factor if n_host is None else n_host / self.factor
         loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self._zero
         return counted, Accumulated(loss, self._zero, False, k)
+
+    def _constant(
+        self, first: int | torch.Tensor, length: int | None, distributed: bool
+    ) -> torch.Tensor | float:
+        """This window's c (:mod:`gradaccum.step.stream`): a Python float on one process while the
+        counts are ints (N' on the host: no device op here, nor in W/(N c) later), else 0-dim."""
+        expected = self._expected
+        if not distributed and self._noise is None and isinstance(first, int):
+            if expected is None:
+                return host_post_constant((length or 1) * first)
+            if isinstance(expected, float):
+                return host_post_constant(expected)
+        if isinstance(expected, float):
+            expected = torch.tensor(expected, dtype=torch.float64, device=self.device)
+        return post_constant(first, length, self.device, expected=expected, distributed=distributed)
 
     def _meet_streamed(self, *args: Any, **kwargs: Any) -> tuple[WindowCount, list[float] | None]:
         """The post-scaling meeting (:meth:`_agree_on_counts`); after a raise there, DDP expects the

@@ -18,7 +18,9 @@ F/(N c). c must be the same on every rank (the gradient reduction sums c * g ove
 later factor could undo per rank), so a rank's own counts cannot choose it. Before the first window
 has been counted, one process takes k n_1 for N' (n_1: the first micro-batch's count, on the
 device before its forward; k: the declared length, else 1); under torch.distributed c = 1 for
-that one window (a GradScaler may back off once more there than under pre-scaling).
+that one window (a GradScaler may back off once more there than under pre-scaling). On one
+process, while every count is an int, N' is known on the host: c, F/(N c) and N' stay Python
+floats (:func:`host_post_constant`), and the window costs one device op fewer than eight.
 
 **The decision on the device.** With an optimizer whose step reads a ``found_inf`` tensor (torch's
 fused Adam, AdamW, SGD and Adagrad, on CPU too), the skip on a non-finite loss or gradient (or a
@@ -37,7 +39,14 @@ import torch
 from gradaccum.errors import CountError, WindowError
 from gradaccum.step.config import StepResult
 
-__all__ = ["DeviceStepResult", "declared_length", "post_constant", "reads_found_inf", "with_last"]
+__all__ = [
+    "DeviceStepResult",
+    "declared_length",
+    "host_post_constant",
+    "post_constant",
+    "reads_found_inf",
+    "with_last",
+]
 
 _FOUND_INF_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
 
@@ -80,6 +89,12 @@ def with_last(window: Iterable[Any], length: int | None) -> Iterator[tuple[int, 
     yield i, current, True
 
 
+def host_post_constant(units: float) -> float:
+    """c = 2**-round(log2(N')) (N' at least 1) as a Python float: :func:`post_constant`'s value
+    when N' is known on the host (one process, int counts), with no device op."""
+    return 2.0 ** -round(math.log2(max(1.0, units)))
+
+
 def post_constant(
     first_count: int | torch.Tensor,
     length: int | None,
@@ -96,9 +111,7 @@ def post_constant(
         return torch.ones((), dtype=torch.float64, device=device)
     k = 1 if length is None else length
     if isinstance(first_count, int):
-        return torch.tensor(
-            2.0 ** -round(math.log2(max(1, k * first_count))), dtype=torch.float64, device=device
-        )
+        return torch.tensor(host_post_constant(k * first_count), dtype=torch.float64, device=device)
     units = first_count.to(device=device, dtype=torch.float64, non_blocking=True).reshape(()) * k
     return torch.exp2(-torch.round(torch.log2(units.clamp(min=1))))
 

@@ -51,7 +51,8 @@ class WindowCount:
     global_count: torch.Tensor
     """Every rank's units, float64 on the model's device: the N of W/N."""
     global_host: int | None
-    """N on the host: known before the first backward under torch.distributed, else None."""
+    """N on the host: known before the first backward under torch.distributed, and on one
+    process when every count was an int; else None."""
     min_count: torch.Tensor | None
     """The smallest tensor count (a negative one is refused where the step reads the device)."""
     world: int
@@ -59,9 +60,10 @@ class WindowCount:
     factor: float
     """The W of W/N: what the model's gradient reductions divide by (1 for a plain module; see
     :func:`gradaccum.mesh.reduction.averaging_factor`)."""
-    post: torch.Tensor | None = None
-    """Post-scaling's constant c (0-dim float64): the backward ran on c * summed loss, and the
-    gradients still need W/(N c) (:mod:`gradaccum.step.stream`); ``None`` under pre-scaling."""
+    post: torch.Tensor | float | None = None
+    """Post-scaling's constant c (0-dim float64, or a Python float when it was known on the host):
+    the backward ran on c * summed loss, and the gradients still need W/(N c)
+    (:mod:`gradaccum.step.stream`); ``None`` under pre-scaling."""
 
     @property
     def empty(self) -> bool:
@@ -75,10 +77,16 @@ class WindowCount:
         inverse = torch.reciprocal(self.global_count.clamp(min=1))
         return inverse if self.factor == 1 else inverse.mul_(self.factor)
 
-    def post_factor(self) -> torch.Tensor | None:
+    def post_factor(self) -> torch.Tensor | float | None:
         """Post-scaling's W/(N c): what turns the gradients its backwards left into pre-scaling's;
-        ``None`` under pre-scaling."""
-        return None if self.post is None else self.scale() / self.post
+        a Python float when N and c are both on the host (the same float64 operations as
+        :meth:`scale`'s, so the same bits); ``None`` under pre-scaling."""
+        if self.post is None:
+            return None
+        if isinstance(self.post, float) and self.global_host is not None:
+            inverse = 1.0 / max(self.global_host, 1)
+            return (inverse if self.factor == 1 else inverse * self.factor) / self.post
+        return self.scale() / self.post
 
 
 class Contribution(NamedTuple):
@@ -96,7 +104,7 @@ class Contribution(NamedTuple):
 
 Contribute = Callable[[int, Any], Contribution]
 """``contribute(index, micro_batch)``: run the forward of one micro-batch, return its contribution."""
-StreamContribute = Callable[[int, Any, "int | torch.Tensor", torch.Tensor], Contribution]
+StreamContribute = Callable[[int, Any, "int | torch.Tensor", "torch.Tensor | float"], Contribution]
 """``contribute(index, micro_batch, count, c)`` under post-scaling: the forward, backprop = c * sum."""
 
 
