@@ -202,6 +202,23 @@ def test_int_counts_take_the_host_path_and_land_on_the_same_bits_as_tensor_count
     assert all(torch.equal(got[name], want[name]) for name in want)
 
 
+def test_the_next_constant_comes_from_the_host_read_of_the_last_count() -> None:
+    # tensor counts: the verdict's one read brings N to the host, so the next window's c (and its
+    # part of W/(N c)) costs no device op; with the decision on the device N stays there
+    batches = [models.gpt_batch(6, seed=s) for s in (4, 5, 6)]
+    model = models.gpt()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), scaling="post")
+    for sizes, batch in zip([[2, 2, 2], [1, 5], [3, 3]], batches, strict=True):
+        result = acc.step(_lazy(batch, sizes), models.gpt_loss, models.tokens)
+        assert acc._engine._expected == float(result.global_count)
+    fused_model = models.gpt()
+    fused = Accumulator(
+        fused_model, torch.optim.SGD(fused_model.parameters(), lr=0.1, fused=True), scaling="post"
+    )
+    fused.step(_lazy(batches[0], [2, 2, 2]), models.gpt_loss, models.tokens)
+    assert isinstance(fused._engine._expected, torch.Tensor)
+
+
 def test_a_fused_optimizer_step_reads_nothing_on_the_host_and_still_skips_nonfinite() -> None:
     batch = models.gpt_batch(6, seed=2)
     pre, post, a, b = _pair([], opt=lambda p: torch.optim.Adam(p, lr=1e-2, fused=True))

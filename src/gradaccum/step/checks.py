@@ -13,6 +13,11 @@ from gradaccum.errors import CountError, LossError, WindowError
 
 __all__ = ["as_count", "check_loss", "check_window_shapes", "unmean"]
 
+_INTEGER_DTYPES = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and not d.is_floating_point
+) - {torch.bool, torch.complex32, torch.complex64, torch.complex128}
+"""The tensor dtypes a count may have: one set lookup per micro-batch instead of three tests."""
+
 
 def as_count(value: object, index: int) -> int | torch.Tensor:
     """Validate one ``count_fn`` result: a non-negative int, or a one-element integer tensor.
@@ -21,9 +26,7 @@ def as_count(value: object, index: int) -> int | torch.Tensor:
     reduces the smallest count with the window's other numbers and refuses a negative one there.
     """
     if isinstance(value, torch.Tensor):
-        if value.numel() == 1 and not (
-            value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool
-        ):
+        if value.dtype in _INTEGER_DTYPES and value.numel() == 1:
             return value
     elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value

@@ -169,6 +169,7 @@ class WindowEngine:
         self._params_outside_optimizer = [p for p in self._params if id(p) not in in_optimizer]
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._one = torch.ones(1, dtype=torch.float32, device=self.device)  # the check's unit scale
         self._distributed = dist.is_distributed(dp_group)
         self.layout = layout_for_step(
             mesh, mesh_dims, model=model, config=config, dp_group=dp_group, pipeline=pipeline
@@ -316,7 +317,8 @@ class WindowEngine:
         return self._agree_on_counts(len(micro_batches), counts, local_count, min_count, failure)[0]
 
     def _sum_counts(self, counts: list[int | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's count (float64 on the device) and the smallest tensor count (or None)."""
+        """This rank's count (float64 on the device) and the smallest tensor count (or None; in
+        the counts' own integer dtype)."""
         host_counts = 0
         device_counts: list[torch.Tensor] = []
         for c in counts:
@@ -326,8 +328,11 @@ class WindowEngine:
                 device_counts.append(c)
         if not device_counts:
             return torch.tensor(float(host_counts), dtype=torch.float64, device=self.device), None
-        stacked = torch.stack(device_counts).to(device=self.device, dtype=torch.float64, non_blocking=True)
-        return (stacked.sum() + host_counts if host_counts else stacked.sum()), stacked.min()
+        stacked = torch.stack(device_counts)
+        if stacked.device != self.device:
+            stacked = stacked.to(device=self.device, non_blocking=True)
+        total = stacked.sum(dtype=torch.float64)  # exact below 2**53, as the counts are integers
+        return (total + host_counts if host_counts else total), stacked.min()
 
     def _agree_on_counts(
         self,
@@ -490,8 +495,13 @@ class WindowEngine:
         the error raised, on every rank, when micro-batches vetoed the update.
         """
         self.emit("optimizer_start", 0)
-        params = [p for p in self._params if p.grad is not None]
-        grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for p in self._params:  # one read of each .grad (a C getter) per window
+            g = p.grad
+            if g is not None:
+                params.append(p)
+                grads.append(g)
         return self._decide(counted, accumulated, params, grads, objective, rejection)
 
     def _decide(
@@ -561,7 +571,7 @@ class WindowEngine:
             return None, local_squares(grads, self._norm_holders, self.device) if needs_norm else None
         fused = self._noise is None and self.kind in ("local", "ddp")
         if config.skip_nonfinite and not config.wants_norm and fused:
-            flag = nonfinite_flag(grads, uniform=self._uniform)
+            flag = nonfinite_flag(grads, uniform=self._uniform, one=self._one)
             if flag is not None:
                 return None, flag
         if needs_norm:
@@ -644,10 +654,13 @@ class WindowEngine:
             counted.local_count,
             self._zero if counted.min_count is None else counted.min_count,
         )
-        device = figures[0].device
-        if any(f.ndim or f.device != device for f in figures):
+        try:  # one device and all 0-dim, or stack refuses them (cheaper than checking each)
+            stacked = torch.stack(figures)
+        except RuntimeError:
             return None
-        return WindowTotals(*torch.stack(figures).to(torch.float64).tolist())
+        if stacked.ndim != 1:
+            return None
+        return WindowTotals(*stacked.to(torch.float64).tolist())
 
     def _apply_update(
         self,

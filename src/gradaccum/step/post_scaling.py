@@ -149,7 +149,8 @@ class PostScalingEngine(WindowEngine):
                         noise.fold()
                     self.emit("micro_end", i)
                     assert reduced is not None
-                    self._expected = counted.global_count / self.factor
+                    assert counted.global_host is not None  # read in the meeting
+                    self._expected = counted.global_host / self.factor
                     tallied = torch.tensor(reduced, dtype=torch.float64, device=self.device)
                     return counted, Accumulated(tallied[0], tallied[1], True, k)
                 if distributed and syncs:  # the resynchronizing first micro-batch of a longer window
@@ -183,16 +184,18 @@ class PostScalingEngine(WindowEngine):
     def _constant(
         self, first: int | torch.Tensor, length: int | None, distributed: bool
     ) -> torch.Tensor | float:
-        """This window's c (:mod:`gradaccum.step.stream`): a Python float on one process while the
-        counts are ints (N' on the host: no device op here, nor in W/(N c) later), else 0-dim."""
+        """This window's c (:mod:`gradaccum.step.stream`): a Python float whenever N' is known on
+        the host (the last window's N was read there, or one process counts ints, or the first
+        window under torch.distributed takes c = 1), so the window costs no device op for c nor
+        for its part of W/(N c); else 0-dim float64 on the device (the decision on the device
+        keeps N there)."""
         expected = self._expected
-        if not distributed and self._noise is None and isinstance(first, int):
-            if expected is None:
-                return host_post_constant((length or 1) * first)
-            if isinstance(expected, float):
-                return host_post_constant(expected)
         if isinstance(expected, float):
-            expected = torch.tensor(expected, dtype=torch.float64, device=self.device)
+            return host_post_constant(expected)
+        if expected is None and distributed:
+            return 1.0
+        if expected is None and isinstance(first, int):
+            return host_post_constant((length or 1) * first)
         return post_constant(first, length, self.device, expected=expected, distributed=distributed)
 
     def _meet_streamed(self, *args: Any, **kwargs: Any) -> tuple[WindowCount, list[float] | None]:
@@ -318,10 +321,12 @@ class PostScalingEngine(WindowEngine):
         then decide as under pre-scaling, or on the device where the optimizer reads found_inf."""
         factor = counted.post_factor()
         assert factor is not None
-        scale_grads_(grads, factor)
+        scale_grads_(grads, factor, uniform=self._uniform)
         if self._on_device and objective is None and rejection is None:
             return self._conclude_on_device(counted, accumulated, params, grads)
-        return super()._decide(counted, accumulated, params, grads, objective, rejection)
+        result = super()._decide(counted, accumulated, params, grads, objective, rejection)
+        self._expected = result.global_count / self.factor  # read with the verdict: c is a host float next
+        return result
 
     # -- counters decided on the device ---------------------------------------------------------
 

@@ -83,9 +83,12 @@ class WindowCount:
         :meth:`scale`'s, so the same bits); ``None`` under pre-scaling."""
         if self.post is None:
             return None
-        if isinstance(self.post, float) and self.global_host is not None:
-            inverse = 1.0 / max(self.global_host, 1)
-            return (inverse if self.factor == 1 else inverse * self.factor) / self.post
+        if isinstance(self.post, float):
+            if self.global_host is not None:
+                inverse = 1.0 / max(self.global_host, 1)
+                return (inverse if self.factor == 1 else inverse * self.factor) / self.post
+            # (1/N) * (W/c) is (1/N * W) / c to the bit: c is a power of two; one device op fewer
+            return torch.reciprocal(self.global_count.clamp(min=1)).mul_(self.factor / self.post)
         return self.scale() / self.post
 
 
