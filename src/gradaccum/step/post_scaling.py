@@ -101,6 +101,8 @@ class PostScalingEngine(WindowEngine):
         noise = self._noise
         if noise is not None:
             noise.start()
+        observer, plain = self.observer, kind == "local"  # the loop's Python runs k times a window
+        nothing_to_defer = sync_deferred(model, kind, enabled=False)
         pieces = with_last(window, length)
         self.emit("window_start", length or 0)
         ahead: list[tuple[int, Any, bool] | None] = []
@@ -118,10 +120,11 @@ class PostScalingEngine(WindowEngine):
                 break
             i, mb, last = item
             k = i + 1
-            self.emit("micro_start", i)
+            if observer is not None:
+                observer("micro_start", i)
             syncs = last or (i == 0 and resync)
             piece: Contribution | None = None
-            with sync_deferred(model, kind, enabled=not syncs):
+            with nothing_to_defer if syncs or plain else sync_deferred(model, kind):
                 phase = "count_fn"
                 try:
                     count = as_count(count_fn(mb), i)
@@ -161,7 +164,8 @@ class PostScalingEngine(WindowEngine):
                     self._sync_backward(piece.backprop, i)
             if noise is not None:
                 noise.fold()  # this micro-batch's |c s_j|^2, from the hooks its backward ran
-            self.emit("micro_end", i)
+            if observer is not None:
+                observer("micro_end", i)
             if last:
                 break
             item = mb = piece = None  # hold no micro-batch while the next ones are read
@@ -177,7 +181,10 @@ class PostScalingEngine(WindowEngine):
         on_host = all(isinstance(n, int) for n in counts)
         n_host = sum(int(n) for n in counts) if on_host else None  # ints: no read
         counted = WindowCount(counts, local, local, n_host, smallest, 1, self.factor, c)
-        self._expected = local / self.factor if n_host is None else n_host / self.factor
+        if n_host is not None:
+            self._expected = n_host / self.factor
+        else:  # replaced by the host N where the verdict is read; a division only where it is not
+            self._expected = local if self.factor == 1 else local / self.factor
         loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self._zero
         return counted, Accumulated(loss, self._zero, False, k)
 
