@@ -134,6 +134,27 @@ def test_a_generator_is_consumed_once_in_order_one_ahead_and_none_when_declared(
     assert next(stream)["input_ids"].shape[0] == 2 and seen == [0, 1, 2]
 
 
+def test_a_list_steps_on_as_many_micro_batches_as_declared_with_mixed_counts() -> None:
+    # a list is walked in place when its length is the declared one, pulled like an iterator when
+    # a shorter length is declared; ints and tensors may mix in one window's counts
+    batch = models.gpt_batch(8, seed=6)
+    pre, post, a, b = _pair([])
+    calls: list[int] = []
+
+    def mixed(mb: Any) -> int | torch.Tensor:  # a tensor, an int, a tensor, ...
+        calls.append(1)
+        return models.tokens(mb) if len(calls) % 2 else int(models.tokens(mb))
+
+    b.step(split(batch, sizes=[2, 2, 2, 2]), models.gpt_loss, mixed, length=3)
+    assert len(calls) == 3
+    a.step(split(batch, sizes=[2, 2, 2, 2])[:3], models.gpt_loss, models.tokens)
+    assert max_rel_err(params_of(post), params_of(pre)) < REL_TOL
+    result = b.step(split(batch, sizes=[2, 2, 2, 2]), models.gpt_loss, mixed)
+    a.step(split(batch, sizes=[2, 2, 2, 2]), models.gpt_loss, models.tokens)
+    assert result.micro_batches == 4
+    assert max_rel_err(params_of(post), params_of(pre)) < REL_TOL
+
+
 def test_a_generator_that_raises_mid_window_leaves_the_gradients_cleared() -> None:
     batch = models.gpt_batch(8, seed=4)
     _, post, _, b = _pair([])

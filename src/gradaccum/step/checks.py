@@ -50,6 +50,8 @@ def _count_problem(value: object, index: int) -> str:
 
 def check_loss(loss: object, index: int) -> torch.Tensor:
     """Validate one ``loss_fn`` result: a scalar tensor that can be backpropagated."""
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.requires_grad:
+        return loss  # the path every micro-batch takes: one test
     if not isinstance(loss, torch.Tensor):
         raise LossError(
             f"loss_fn returned {type(loss).__name__} for micro-batch {index}; it must return a Tensor"
@@ -59,12 +61,10 @@ def check_loss(loss: object, index: int) -> torch.Tensor:
             f"loss_fn returned a tensor of shape {tuple(loss.shape)} for micro-batch {index}; it must "
             "return a scalar: the loss summed over the counted units (reduction='sum')"
         )
-    if not loss.requires_grad:
-        raise LossError(
-            f"loss_fn returned a scalar that does not require grad for micro-batch {index}; was it "
-            "computed under torch.no_grad() or detached?"
-        )
-    return loss
+    raise LossError(  # what is left: a scalar tensor that does not require grad
+        f"loss_fn returned a scalar that does not require grad for micro-batch {index}; was it "
+        "computed under torch.no_grad() or detached?"
+    )
 
 
 def unmean(loss: torch.Tensor, count: int | torch.Tensor, index: int) -> torch.Tensor:

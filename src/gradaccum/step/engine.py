@@ -319,13 +319,8 @@ class WindowEngine:
     def _sum_counts(self, counts: list[int | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's count (float64 on the device) and the smallest tensor count (or None; in
         the counts' own integer dtype)."""
-        host_counts = 0
-        device_counts: list[torch.Tensor] = []
-        for c in counts:
-            if isinstance(c, int):
-                host_counts += c
-            else:
-                device_counts.append(c)
+        device_counts = [c for c in counts if not isinstance(c, int)]
+        host_counts = 0 if len(device_counts) == len(counts) else sum(c for c in counts if isinstance(c, int))
         if not device_counts:
             return torch.tensor(float(host_counts), dtype=torch.float64, device=self.device), None
         stacked = torch.stack(device_counts)
@@ -495,13 +490,11 @@ class WindowEngine:
         the error raised, on every rank, when micro-batches vetoed the update.
         """
         self.emit("optimizer_start", 0)
-        params: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        for p in self._params:  # one read of each .grad (a C getter) per window
-            g = p.grad
-            if g is not None:
-                params.append(p)
-                grads.append(g)
+        everything = self._params
+        grads: list[torch.Tensor] = [g for p in everything if (g := p.grad) is not None]
+        params = (
+            everything if len(grads) == len(everything) else [p for p in everything if p.grad is not None]
+        )
         return self._decide(counted, accumulated, params, grads, objective, rejection)
 
     def _decide(

@@ -65,6 +65,13 @@ def with_last(window: Iterable[Any], length: int | None) -> Iterator[tuple[int, 
     """(index, micro-batch, is_last), pulling each micro-batch when it is needed: one ahead of the
     one running when ``length`` is None, else exactly ``length`` (an iterator shared by several
     windows is left where the window ends)."""
+    if isinstance(window, Sequence) and length == len(window):  # a list: nothing to read ahead
+        last = length - 1
+        return ((i, mb, i == last) for i, mb in enumerate(window))
+    return _pulled(window, length)
+
+
+def _pulled(window: Iterable[Any], length: int | None) -> Iterator[tuple[int, Any, bool]]:
     it = iter(window)
     if length is not None:
         for i in range(length):
