@@ -269,6 +269,26 @@ def test_a_fused_optimizer_step_reads_nothing_on_the_host_and_still_skips_nonfin
     assert b.steps_applied == 3 and b.consecutive_skips == 0
 
 
+def test_the_counters_decided_on_the_device_count_runs_of_skips() -> None:
+    batch = models.gpt_batch(4, seed=1)
+    _, _, _, b = _pair([], opt=lambda p: torch.optim.SGD(p, lr=0.1, fused=True))
+
+    def poisoned(model: torch.nn.Module, mb: Any) -> torch.Tensor:
+        return models.gpt_loss(model, mb) * float("nan")
+
+    states, steps = [], []
+    for loss_fn in (models.gpt_loss, poisoned, poisoned, models.gpt_loss, poisoned):
+        steps.append(b.step(_lazy(batch, [2, 2]), loss_fn, models.tokens))
+        if len(steps) in (3, 5):
+            states.append(b.state_dict())  # settles the counters: one read
+    assert [r.applied for r in steps] == [True, False, False, True, False]
+    assert [r.step for r in steps] == [1, 1, 1, 2, 2]  # read late: each result kept its own figures
+    assert states == [
+        {"steps_applied": 1, "steps_skipped": 2, "consecutive_skips": 2},
+        {"steps_applied": 2, "steps_skipped": 3, "consecutive_skips": 1},
+    ]
+
+
 def test_a_zero_count_window_is_skipped_on_the_device() -> None:
     batch = models.gpt_batch(4, seed=1)
     _, post, _, b = _pair([], opt=lambda p: torch.optim.SGD(p, lr=0.1, fused=True))

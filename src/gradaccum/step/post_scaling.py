@@ -47,6 +47,7 @@ class PostScalingEngine(WindowEngine):
         # updates it decided stay there too, [applied, skipped, consecutive], until read
         self._on_device = self._decides_on_device()
         self._device_counters: torch.Tensor | None = None
+        self._counter_steps = _counter_steps(self.device) if self._on_device else None
         self._expected: torch.Tensor | float | None = None  # the last window's N / F
 
     def _check_post(self) -> None:
@@ -277,34 +278,47 @@ class PostScalingEngine(WindowEngine):
         config = self.config
         norm, gradient = self._gradient_check(grads)
         n = counted.global_count
-        bad = ~torch.isfinite(accumulated.loss) | (n == 0)
-        if counted.min_count is not None:
-            bad = bad | (counted.min_count < 0)
+        # zero exactly where the update may go ahead: loss * 0 (and norm * 0) is NaN for a
+        # non-finite value, the fused flag is non-zero for a non-finite gradient; one vector, so
+        # the verdict is a few small device ops, not one per condition
+        negative = counted.min_count < 0 if counted.min_count is not None else None
+        terms = [accumulated.loss * 0, n == 0]
+        if negative is not None:
+            terms.append(negative)
         if config.skip_nonfinite and gradient is not None:
-            # a norm is finite and a fused flag zero exactly when every gradient is finite
-            bad = bad | (~torch.isfinite(gradient) if norm is not None else gradient != 0)
+            terms.append(gradient * 0 if norm is not None else gradient)
+        bad = (torch.stack(terms) != 0).any()
         if config.max_grad_norm is not None and norm is not None:
             clip_grads_(params, config.max_grad_norm, norm)
-        found = bad.to(torch.float32)
         optimizer: Any = self.optimizer
-        optimizer.found_inf = found
+        optimizer.found_inf = bad.to(torch.float32)
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf
-        applied = (~bad).to(torch.float64)
+        skipped = bad.to(torch.float64)
         counters = self._device_counters
         if counters is None:
             counters = self._zero.new_zeros(3)  # a fill, not a copy from the host
             if self.consecutive_skips:
                 counters[2] = self.consecutive_skips
-        # [applied, skipped, consecutive]: a skip adds one to the run of skips, an update ends it
-        self._device_counters = torch.stack(
-            [counters[0] + applied, counters[1] + 1 - applied, (counters[2] + 1) * (1 - applied)]
-        )
-        negative = self._zero if counted.min_count is None else counted.min_count < 0
+        # [applied, skipped, consecutive] + [1 - s, s, 1], times [1, 1, s]: a skip adds one to the
+        # run of skips, an update ends it; a new tensor each window, so a result holds its own
+        assert self._counter_steps is not None
+        add, signs, keep, last = self._counter_steps
+        change = torch.addcmul(add, signs, skipped)
+        self._device_counters = (counters + change) * torch.addcmul(keep, last, skipped)
+        applied = change[0]
         result = DeviceStepResult(
-            (accumulated.loss, n, counted.local_count, applied, self._device_counters[0], norm, negative),
+            (
+                accumulated.loss,
+                n,
+                counted.local_count,
+                applied,
+                self._device_counters[0],
+                norm,
+                self._zero if negative is None else negative,
+            ),
             micro_batches=accumulated.micro_batches,
             step_base=self.steps_applied,
             wants_norm=config.wants_norm,
@@ -351,3 +365,12 @@ class PostScalingEngine(WindowEngine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # validates first: a refused state changes nothing
         self._device_counters = None
+
+
+def _counter_steps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The constant vectors of the device counters' update, made once: [applied, skipped,
+    consecutive] becomes (counters + [1, 0, 1] + s [-1, 1, 0]) * ([1, 1, 0] + s [0, 0, 1]) for a
+    window skipped (s = 1) or applied (s = 0)."""
+    rows = ([1.0, 0.0, 1.0], [-1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0])
+    add, signs, keep, last = (torch.tensor(row, dtype=torch.float64, device=device) for row in rows)
+    return add, signs, keep, last

@@ -11,16 +11,20 @@ the window's length is declared (``len(window)``, or ``step(..., length=k)``).
 **The constant c.** Summed losses grow with the tokens; backpropagated as they are, fp16
 activations would overflow (and a GradScaler back off) more often than under pre-scaling, whose
 backward sees F/N times them. c = 2**-round(log2(N'/F)), with N' the previous window's N (agreed
-by every rank, kept on the device), makes the backward see what pre-scaling's sees within a
+by every rank), makes the backward see what pre-scaling's sees within a
 factor of sqrt(2) while windows count alike; and a power of two multiplies every float exactly, so
 c and 1/c cost no rounding: the only rounding post-scaling adds is the one multiplication by
 F/(N c). c must be the same on every rank (the gradient reduction sums c * g over ranks, which no
 later factor could undo per rank), so a rank's own counts cannot choose it. Before the first window
 has been counted, one process takes k n_1 for N' (n_1: the first micro-batch's count, on the
 device before its forward; k: the declared length, else 1); under torch.distributed c = 1 for
-that one window (a GradScaler may back off once more there than under pre-scaling). On one
-process, while every count is an int, N' is known on the host: c, F/(N c) and N' stay Python
-floats (:func:`host_post_constant`), and the window costs one device op fewer than eight.
+that one window (a GradScaler may back off once more there than under pre-scaling).
+
+**Where c lives.** N' is on the host wherever the step read N there anyway: in the verdict's one
+read (one process), in the ranks' meeting (torch.distributed), or from int counts. c is then a
+Python float (:func:`host_post_constant`) whose tensor the step keeps from window to window, and
+W/(N c) costs one device op fewer; only the decision on the device (below), which reads nothing,
+keeps N' and c on the device, where they cost five small ops a window.
 
 **The decision on the device.** With an optimizer whose step reads a ``found_inf`` tensor (torch's
 fused Adam, AdamW, SGD and Adagrad, on CPU too), the skip on a non-finite loss or gradient (or a
