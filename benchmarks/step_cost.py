@@ -8,7 +8,10 @@ verdict, the ledger, post-scaling's constant and its one gradient multiply). The
 is those same features written by hand (a dozen lines, one process, int counts): what the step
 could cost at best, printed beside what it does cost. The script times the
 bundled GPT's hand-loop update at overhead.py's smallest size too, and prints the fixed cost as a
-ratio to it: the overhead there, without the +-5 % spread of timing two GPT updates.
+ratio to it: the overhead there, without the +-5 % spread of timing two GPT updates. Last, the
+same paired differences on that GPT itself (its counts are tensors, so post-scaling's c and
+W/(N c) take device ops there), with "post by hand" beside them: overhead.py's floor of its
+"post" row.
 
     .venv/bin/python benchmarks/step_cost.py [--rounds 400] [--threads 1]
 """
@@ -122,6 +125,28 @@ def _gpt_hand_update_seconds(rounds: int) -> float:
     return statistics.median(times)
 
 
+def _gpt_extra_seconds(rounds: int) -> dict[str, float]:
+    """The step's extra time over the hand loop on the bundled GPT at k=4 x 2x24 tokens (overhead.py's
+    first size; tensor counts, AdamW), paired, beside post-scaling written by hand (the floor of
+    the "post" row there: the same updates, bit for bit, with no engine around them)."""
+    from overhead import _optimizer, count, hand_loop, post_by_hand
+
+    from gradaccum import split
+    from gradaccum.examples import build_tiny_gpt, gpt_loss
+    from gradaccum.examples.gpt import sample_sequences
+
+    window = split(sample_sequences(8, seed=0, max_len=24, min_len=12), micro_batch=2)
+    hand_model, floor_model = build_tiny_gpt(0), build_tiny_gpt(0)
+    hand_opt, floor = _optimizer(hand_model), post_by_hand(floor_model, _optimizer(floor_model))
+    runners: dict[str, Callable[[], object]] = {"hand": lambda: hand_loop(hand_model, hand_opt, window)}
+    for name, settings in (("pre", {}), ("post", {"scaling": "post"})):
+        model = build_tiny_gpt(0)
+        acc = Accumulator(model, _optimizer(model), **settings)
+        runners[name] = lambda acc=acc: acc.step(window, gpt_loss, count)
+    runners["post by hand"] = lambda: floor(window)
+    return paired_differences(runners, "hand", rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=400)
@@ -145,6 +170,9 @@ def main() -> None:
         if k == 4:
             implied = "   ".join(f"{name} {1 + s / gpt_update:.4f}x" for name, s in extra.items())
             print(f"      as a ratio to that GPT update: {implied}")
+    gpt = _gpt_extra_seconds(args.rounds // 2)
+    cells = "   ".join(f"{name} +{s * 1e6:.0f} us ({1 + s / gpt_update:.4f}x)" for name, s in gpt.items())
+    print(f"the GPT at k=4 x 2x24 tokens, over its hand loop: {cells}")
 
 
 if __name__ == "__main__":
