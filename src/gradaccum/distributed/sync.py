@@ -28,6 +28,7 @@ from gradaccum.errors import SyncError
 
 __all__ = [
     "SyncKind",
+    "broadcasts_buffers",
     "check_sync_on",
     "fsdp2_sync_flags",
     "needs_every_parameter",
@@ -207,3 +208,13 @@ def needs_every_parameter(module: nn.Module) -> bool:
     if sync_kind(module) != "ddp":
         return False
     return not getattr(module, "find_unused_parameters", False) and not getattr(module, "static_graph", False)
+
+
+def broadcasts_buffers(synced: Any, kind: str) -> bool:
+    """Whether a DDP module broadcasts its buffers in a window's first forward (a collective the
+    step's own must not cross); ``forward_sync_buffers`` from torch 2.13 on, ``broadcast_buffers``
+    (its deprecated alias) before."""
+    if kind != "ddp":
+        return False
+    flag = getattr(synced, "forward_sync_buffers", getattr(synced, "broadcast_buffers", False))
+    return bool(flag) and any(True for _ in synced.buffers())

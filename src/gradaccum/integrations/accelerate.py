@@ -22,10 +22,10 @@ What the prepared objects need, and get here:
   on every rank. Build the schedule in optimizer updates.
 
 A plain ``Accumulator`` given an ``AcceleratedScheduler`` would step it, and so the scheduler it
-wraps W times per update: :func:`refuse_accelerated_scheduler` refuses that when any accumulator is
-built, naming ``prepare_accumulator``. It finds the class through ``sys.modules`` (a scheduler of
-that class means accelerate is imported already), and this module imports accelerate only inside
-the functions that need it, so the step can call it without importing accelerate.
+wraps W times per update: :func:`~gradaccum.step.objects.refuse_accelerated_scheduler` (exported
+here too) refuses that when any accumulator is built, naming ``prepare_accumulator``. It finds the
+class through ``sys.modules`` (a scheduler of that class means accelerate is imported already), so
+the step never imports accelerate; this module imports it only inside the functions that need it.
 
 ``accelerator.optimizer_step_was_skipped`` is not updated (the step's ``StepResult.applied`` says
 whether it stepped). DeepSpeed and Megatron-LM own backward and step, and XLA its own reduction:
@@ -34,7 +34,6 @@ those are refused, as is ``Accelerator(gradient_accumulation_steps>1)``, which w
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +42,7 @@ import torch.nn as nn
 
 from gradaccum.errors import ConfigError
 from gradaccum.step.config import AccumConfig, StepResult
+from gradaccum.step.objects import refuse_accelerated_scheduler
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -56,27 +56,6 @@ _REFUSED = {
     "MEGATRON_LM": "Megatron-LM runs backward and the step itself",
     "XLA": "XLA reduces gradients inside the optimizer step, not in backward",
 }
-
-
-def refuse_accelerated_scheduler(scheduler: Any) -> None:
-    """Refuse Accelerate's ``AcceleratedScheduler`` handed to an accumulator directly.
-
-    It steps the scheduler it wraps once per process per update (6 steps in 3 updates on 2 ranks),
-    where the step advances a schedule once per update. No accelerate import: the class is looked
-    up in ``sys.modules``, where it is whenever such a scheduler exists.
-    """
-    module = sys.modules.get("accelerate.scheduler")
-    wrapper = getattr(module, "AcceleratedScheduler", None)
-    if isinstance(wrapper, type) and isinstance(scheduler, wrapper):
-        inner = type(getattr(scheduler, "scheduler", None)).__name__
-        raise ConfigError(
-            f"scheduler is Accelerate's AcceleratedScheduler (wrapping {inner}), which steps the scheduler "
-            "it wraps once per process on every update, so the schedule would advance num_processes times "
-            "too fast. Build the accumulator with gradaccum.integrations.accelerate.prepare_accumulator("
-            "accelerator, model, optimizer, scheduler), which unwraps it (and the optimizer, and takes "
-            "Accelerate's scaler), "
-            "or pass the scheduler it wraps: scheduler=scheduler.scheduler"
-        )
 
 
 def prepare_accumulator(

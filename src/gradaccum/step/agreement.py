@@ -50,6 +50,7 @@ The next window's counts all-reduce detects it and refuses the window on every r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ __all__ = [
     "raise_mismatch",
     "raise_unreached",
     "rank_settings",
+    "settings_fingerprint",
     "unreached_parameters",
 ]
 
@@ -352,6 +354,20 @@ def rank_settings(settings: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     mine["parameter elements"] = sum(p.numel() for p in model.parameters())
     mine["parameter shapes"] = hashlib.sha1(repr(table).encode()).hexdigest()[:12]
     return mine
+
+
+def settings_fingerprint(
+    config: Any, kind: str, scaler: Any, model: nn.Module, *, distributed: bool, same_model: bool
+) -> tuple[dict[str, Any], list[float]]:
+    """The settings every rank must share (with the model's parameter table where the ranks hold
+    the same model; a pipeline's stages do not), and their :func:`fingerprint` under
+    torch.distributed (empty on one process)."""
+    settings: dict[str, Any] = dataclasses.asdict(config)
+    settings["sync"] = kind
+    settings["scaler"] = type(scaler).__name__ if scaler is not None else None
+    if distributed and same_model:
+        settings = rank_settings(settings, model)
+    return settings, fingerprint(settings) if distributed else []
 
 
 def fingerprint(mine: dict[str, Any]) -> list[float]:

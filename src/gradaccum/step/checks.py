@@ -11,7 +11,7 @@ import torch
 
 from gradaccum.errors import CountError, LossError, WindowError
 
-__all__ = ["as_count", "check_loss", "check_window_shapes", "unmean"]
+__all__ = ["as_count", "check_loss", "check_window_shapes", "sum_counts", "unmean"]
 
 _INTEGER_DTYPES = frozenset(
     d for d in vars(torch).values() if isinstance(d, torch.dtype) and not d.is_floating_point
@@ -111,3 +111,19 @@ def check_window_shapes(
             "the same number of micro-batches (uneven token counts are fine)"
             + ("." if kind != "ddp" else ", or keep defer_sync=True.")
         )
+
+
+def sum_counts(
+    counts: list[int | torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's count (float64 on ``device``) and the smallest tensor count (or None; in the
+    counts' own integer dtype), read nowhere: the step reduces both with the window's figures."""
+    device_counts = [c for c in counts if not isinstance(c, int)]
+    host_counts = 0 if len(device_counts) == len(counts) else sum(c for c in counts if isinstance(c, int))
+    if not device_counts:
+        return torch.tensor(float(host_counts), dtype=torch.float64, device=device), None
+    stacked = torch.stack(device_counts)
+    if stacked.device != device:
+        stacked = stacked.to(device=device, non_blocking=True)
+    total = stacked.sum(dtype=torch.float64)  # exact below 2**53, as the counts are integers
+    return (total + host_counts if host_counts else total), stacked.min()

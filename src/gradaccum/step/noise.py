@@ -77,7 +77,7 @@ from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
 from gradaccum.values import require_int
 
-__all__ = ["EMA_BETA", "NoiseScale", "NoiseScaleMeter", "window_estimate"]
+__all__ = ["EMA_BETA", "NoiseScale", "NoiseScaleMeter", "noise_meter", "window_estimate"]
 
 EMA_BETA = 0.99
 """Decay of the moving averages: ~100 windows remembered (an effective sample of up to ~199)."""
@@ -169,6 +169,21 @@ def window_estimate(
     small = small_sq_sum * n / (scale * scale * world * world)  # A
     big = big_sq / (scale * scale)  # b
     return n * (small - big) / (k - 1), (k * big - small) / (k - 1)
+
+
+def noise_meter(
+    model: nn.Module, params: Sequence[torch.Tensor], kind: str, *, device: torch.device, uniform: bool
+) -> NoiseScaleMeter:
+    """The meter for an engine whose gradients synchronize as ``kind`` says; FSDP is refused."""
+    if kind in ("fsdp", "fsdp2"):
+        raise ConfigError(
+            f"noise_scale=True is not supported under {kind.upper()}: it reads each "
+            "micro-batch's gradient through hooks on the parameters the accumulator holds, and "
+            "under FSDP those are shards that FSDP fills in its own reduce-scatter (with sync "
+            "deferred, only after the last micro-batch). Measure the noise scale under DDP or on "
+            "one process (it does not depend on the sharding), or leave noise_scale off."
+        )
+    return NoiseScaleMeter(model, params, device=device, uniform=uniform)
 
 
 class NoiseScaleMeter:

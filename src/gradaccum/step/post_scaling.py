@@ -20,7 +20,7 @@ from gradaccum.distributed import dist
 from gradaccum.distributed.sync import check_sync_on, sync_deferred
 from gradaccum.errors import ConfigError, WindowError
 from gradaccum.step.agreement import LocalFailure, check_buffer_broadcasts, raise_agreed
-from gradaccum.step.checks import as_count, check_window_shapes
+from gradaccum.step.checks import as_count, check_window_shapes, sum_counts
 from gradaccum.step.config import StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.ledger import Ledger
@@ -98,7 +98,7 @@ class PostScalingEngine(WindowEngine):
         c: torch.Tensor | float | None = None
         failure: LocalFailure | None = None
         k = 0
-        resync = self._resync
+        resync = self.meetings.resync
         noise = self._noise
         if noise is not None:
             noise.start()
@@ -142,13 +142,13 @@ class PostScalingEngine(WindowEngine):
                 except Exception as exc:
                     failure = LocalFailure(exc, phase, i)
                 if distributed and (last or failure is not None):
-                    local, smallest = self._sum_counts(counts)
+                    local, smallest = sum_counts(counts, self.device)
                     counted, reduced = self._meet_streamed(
                         k, counts, local, smallest, failure, post=c, piece=piece, index=i,
-                        tally=self._tally(losses, []),
+                        tally=self.meetings.tally(losses, []),
                     )  # fmt: skip
                     if syncs and piece is not None:
-                        self._sync_backward(piece.backprop, i)
+                        self.meetings.sync_backward(piece.backprop, i)
                     if noise is not None:
                         noise.fold()
                     self.emit("micro_end", i)
@@ -158,11 +158,11 @@ class PostScalingEngine(WindowEngine):
                     tallied = torch.tensor(reduced, dtype=torch.float64, device=self.device)
                     return counted, Accumulated(tallied[0], tallied[1], True, k)
                 if distributed and syncs:  # the resynchronizing first micro-batch of a longer window
-                    self._agree(None, i, piece, self._tally([], []))
+                    self.meetings.agree(None, i, piece, self.meetings.tally([], []))
                 elif failure is not None:
-                    self._fail_alone(failure)
+                    self.meetings.fail_alone(failure, distributed)
                 if syncs and piece is not None:
-                    self._sync_backward(piece.backprop, i)
+                    self.meetings.sync_backward(piece.backprop, i)
             if noise is not None:
                 noise.fold()  # this micro-batch's |c s_j|^2, from the hooks its backward ran
             if observer is not None:
@@ -170,7 +170,7 @@ class PostScalingEngine(WindowEngine):
             if last:
                 break
             item = mb = piece = None  # hold no micro-batch while the next ones are read
-        local, smallest = self._sum_counts(counts)
+        local, smallest = sum_counts(counts, self.device)
         if distributed:  # the window ended before a last micro-batch: empty, or a read failed
             if c is None:
                 c = self._zero + 1
@@ -212,7 +212,7 @@ class PostScalingEngine(WindowEngine):
         try:
             return self._agree_on_counts(*args, **kwargs)
         except BaseException:
-            self._resync = self.kind == "ddp"
+            self.meetings.resync = self.kind == "ddp"
             raise
 
     def _read_first(self, pieces: Iterator[tuple[int, Any, bool]]) -> tuple[int, Any, bool] | None:
@@ -276,7 +276,7 @@ class PostScalingEngine(WindowEngine):
         """Phase 4 without a host read: the skip is a device flag the fused optimizer reads
         (``found_inf``); the result and the counters are read when asked."""
         config = self.config
-        norm, gradient = self._gradient_check(grads)
+        norm, gradient = self.update.gradient_check(grads, noise=self._noise is not None)
         n = counted.global_count
         # zero exactly where the update may go ahead: loss * 0 (and norm * 0) is NaN for a
         # non-finite value, the fused flag is non-zero for a non-finite gradient; one vector, so

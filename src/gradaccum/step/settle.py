@@ -1,0 +1,129 @@
+"""The end-of-window summary: the figures every rank's verdict reads, reduced and read once.
+
+After the last backward each rank knows its own loss, its vetoes, its gradient's finiteness or
+squared norm, and the window's counts. The verdict (apply, skip, refuse) must be the same on every
+rank, so it reads figures that are the same on every rank: those still local are summed in one
+small all-reduce, and everything travels to the host in one read. One process skips the reduction
+and reads one stacked tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from gradaccum.step.ledger import Ledger
+from gradaccum.step.noise import NoiseScaleMeter
+from gradaccum.step.window import Accumulated, WindowCount, WindowTotals
+
+__all__ = ["WindowSettler"]
+
+
+class WindowSettler:
+    """Built once per engine with what does not change between windows; :meth:`settle` per window."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        group: Any,
+        *,
+        layout: Any,
+        noise: NoiseScaleMeter | None,
+        scaler: Any,
+    ) -> None:
+        self.device = device
+        self.group = group
+        self.layout = layout
+        self.noise = noise
+        self.scaler = scaler
+        # ranks that hold the same tokens (TP) add the same loss: the sum is divided by them
+        self.loss_replicas = layout.tp if layout is not None else 1
+        self.zero = torch.zeros((), dtype=torch.float64, device=device)
+
+    def settle(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        objective: torch.Tensor | None,
+        gradient: torch.Tensor | None,
+        norm: torch.Tensor | None,
+        *,
+        distributed: bool,
+    ) -> tuple[WindowTotals, torch.Tensor | None]:
+        """The end-of-window summary, reduced over ranks where it is still local and read once;
+        and the gradient norm (on a mesh, assembled here from every rank's squares).
+
+        The count is global already (collective 1), and so is the norm off a mesh (gradients are
+        synchronized; sharded norms are reduced by :meth:`OptimizerUpdate.grad_norm`). The loss and the vetoes
+        are global when the ranks met before the synchronizing backward; else they are summed
+        here, in one small all-reduce, with the noise scale's per-rank sums and a mesh's squares.
+        Ranks that hold the same tokens (TP) add the same loss: the sum is divided by them.
+        """
+        noise = self.noise
+        if not distributed and noise is None and self.layout is None:
+            alone = self.read_alone(counted, accumulated, objective, gradient)
+            if alone is not None:
+                return alone, norm
+        still_local = distributed and not accumulated.loss_is_global
+        squares = self.layout is not None and gradient is not None
+        ledger = Ledger(self.device)
+        if objective is None:
+            ledger.add("loss", accumulated.loss, summed=still_local)
+        else:  # the objective is computed identically on every rank: never summed
+            ledger.add("loss", objective.detach(), summed=False)
+        ledger.add("rejected", accumulated.rejected, summed=still_local)
+        ledger.add("gradient", self.zero if gradient is None else gradient, summed=squares)
+        if noise is not None:
+            # every rank's micro-batches are small batches: P and K are summed over ranks
+            small, batches, big, sigma = noise.window_sums(
+                counted.counts, norm, self.scaler, rescale=counted.post_factor()
+            )
+            ledger.add("noise_small", small, summed=distributed)
+            ledger.add("noise_batches", batches, summed=distributed)
+            ledger.add("noise_global", torch.stack([big, sigma]), summed=False)
+        ledger.add("global_count", counted.global_count, summed=False)
+        ledger.add("local_count", counted.local_count, summed=False)
+        smallest = self.zero if counted.min_count is None else counted.min_count
+        ledger.add("smallest_count", smallest, summed=False)
+        what = "the window's loss" if noise is None else "the window's loss and noise-scale sums"
+        settled = ledger.settle(self.group, what=what, distributed=distributed)
+        totals = settled.unpack(WindowTotals)
+        if noise is not None:
+            big_sq, scale_sigma = settled.value("noise_global")  # type: ignore[misc]
+            noisy = [settled.value("noise_small"), settled.value("noise_batches"), big_sq, scale_sigma]
+            totals = dataclasses.replace(totals, noise=noisy)  # type: ignore[arg-type]
+        if distributed and objective is None and self.loss_replicas > 1:
+            totals = dataclasses.replace(totals, loss=totals.loss / self.loss_replicas)
+        if squares:
+            norm = settled.device("gradient").sqrt()
+            totals = dataclasses.replace(totals, gradient=math.sqrt(max(totals.gradient, 0.0)))
+        return totals, norm
+
+    def read_alone(
+        self,
+        counted: WindowCount,
+        accumulated: Accumulated,
+        objective: torch.Tensor | None,
+        gradient: torch.Tensor | None,
+    ) -> WindowTotals | None:
+        """One process, nothing to reduce: the six figures in one stack and one read (the ledger
+        packs them one by one, ~40 us more on every update); ``None`` when they are not all 0-dim
+        on one device, for the ledger to pack."""
+        figures = (
+            accumulated.loss if objective is None else objective.detach(),
+            accumulated.rejected,
+            self.zero if gradient is None else gradient,
+            counted.global_count,
+            counted.local_count,
+            self.zero if counted.min_count is None else counted.min_count,
+        )
+        try:  # one device and all 0-dim, or stack refuses them (cheaper than checking each)
+            stacked = torch.stack(figures)
+        except RuntimeError:
+            return None
+        if stacked.ndim != 1:
+            return None
+        return WindowTotals(*stacked.to(torch.float64).tolist())
