@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "BatchPlan": "gradaccum.plan",
     "windows": "gradaccum.plan",
     "split": "gradaccum.batch",
+    "split_by_tokens": "gradaccum.tokens.split",
     # counting and summed losses
     "count_tokens": "gradaccum.loss",
     "count_examples": "gradaccum.loss",
@@ -100,6 +101,7 @@ __all__ = [
     "pack",
     "scan",
     "split",
+    "split_by_tokens",
     "step_adaptive",
     "summed_cross_entropy",
     "verify",
@@ -140,6 +142,7 @@ if TYPE_CHECKING:
     from gradaccum.step.adaptive import AdaptiveMicroBatch, step_adaptive
     from gradaccum.step.config import AccumConfig, StepResult
     from gradaccum.step.noise import NoiseScale
+    from gradaccum.tokens.split import split_by_tokens
     from gradaccum.workloads.base import Workload
 
 

@@ -21,10 +21,12 @@ __all__ = [
     "cast",
     "concat",
     "pad_length",
+    "select",
     "split",
     "split_sizes",
     "take",
     "to_device",
+    "trim_length",
 ]
 
 Batch: TypeAlias = Any
@@ -80,6 +82,12 @@ def batch_size(batch: Batch) -> int:
 def take(batch: Batch, start: int, stop: int) -> Batch:
     """Examples ``start:stop`` of ``batch`` (views, no copies)."""
     return _map(batch, lambda t: t[start:stop])
+
+
+def select(batch: Batch, rows: torch.Tensor) -> Batch:
+    """The examples of ``batch`` at the indices ``rows`` (a 1-D integer tensor), in that order
+    (new tensors: indexing copies)."""
+    return _map(batch, lambda t: t.index_select(0, rows.to(t.device)))
 
 
 def to_device(batch: Batch, device: torch.device | str) -> Batch:
@@ -207,3 +215,21 @@ def pad_length(batch: Batch, multiple: int, values: Mapping[str | int, float] | 
     if isinstance(batch, (tuple, list)):
         return _rebuild(batch, [_map(value, lambda t, i=i: pad(i, t)) for i, value in enumerate(batch)])
     return batch
+
+
+def trim_length(batch: Batch, length: int) -> Batch:
+    """``batch`` with dim 1 (the sequence) of every tensor of 2 or more dims cut to its first
+    ``length`` positions (views); tensors of one dim (per-row values) are kept.
+
+    The inverse of :func:`pad_length` on right-padded rows: positions past every row's last valid
+    token are padding, so cutting them changes no count, loss or gradient of a causal or masked
+    model. The tensors must share their size at dim 1, as in :func:`pad_length`.
+    """
+    require_int("length", length, error=PlanError)
+    lengths = {leaf.shape[1] for leaf in _leaves(batch) if leaf.ndim >= 2}
+    if len(lengths) > 1:
+        raise PlanError(
+            f"trimming cuts dim 1 of every tensor with 2 or more dims, but this batch's have different "
+            f"sizes there ({sorted(lengths)}); give every per-token tensor the shape (rows, seq, ...)"
+        )
+    return _map(batch, lambda t: t[:, :length] if t.ndim >= 2 else t)

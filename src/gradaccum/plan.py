@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from gradaccum.errors import PlanError
 from gradaccum.fielddocs import document_fields
@@ -266,11 +266,17 @@ def compare_plans(
 
 def windows(
     micro_batches: Iterable[T],
-    accum_steps: int,
+    accum_steps: int | None = None,
     *,
     pad_to_multiple: int | None = None,
     pad_values: Mapping[str | int, float] | None = None,
-) -> Iterator[list[T]]:
+    max_tokens: int | None = None,
+    global_batch: int | None = None,
+    rank: int = 0,
+    world: int = 1,
+    equal_count: bool = False,
+    layout: Literal["padded", "packed"] = "padded",
+) -> Iterator[list[Any]]:
     """Group micro-batches into windows of ``accum_steps``; the final short window is yielded too.
 
     Each window is the list that :meth:`gradaccum.Accumulator.step` takes; the step normalizes a
@@ -281,7 +287,39 @@ def windows(
     static shapes meets at most max_len / N lengths instead of recompiling for every one (see
     :mod:`gradaccum.step.compiled`); ``pad_values`` overrides or adds a key's padding value
     (:func:`gradaccum.batch.pad_length` has the rules). Counts and gradients do not change.
+
+    ``max_tokens=B`` (instead of ``accum_steps``) makes token-budget windows: the iterable holds
+    tokenized documents (sequences of token ids), ``global_batch`` of them form a window, and each
+    window is this rank's micro-batches of at most B computed tokens, balanced across ``world``
+    ranks (:func:`gradaccum.split_by_tokens`); ``layout="packed"`` packs the documents into rows
+    with ``position_ids`` instead of padding one per row (:mod:`gradaccum.tokens.loader`).
     """
+    if max_tokens is not None:
+        if accum_steps is not None or pad_to_multiple is not None or pad_values is not None:
+            raise PlanError(
+                "max_tokens sets each window's micro-batches by tokens: give global_batch (documents per "
+                "window) with it, not accum_steps, pad_to_multiple or pad_values"
+            )
+        if global_batch is None:
+            raise PlanError("max_tokens needs global_batch: how many documents form one window")
+        from gradaccum.tokens.loader import token_windows  # torch only for token budgets
+
+        return token_windows(
+            micro_batches,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            global_batch=global_batch,
+            rank=rank,
+            world=world,
+            equal_count=equal_count,
+            layout=layout,
+        )
+    if global_batch is not None or (rank, world, equal_count, layout) != (0, 1, False, "padded"):
+        raise PlanError(
+            "global_batch, rank, world, equal_count and layout belong to token-budget windows: give "
+            "max_tokens with them"
+        )
+    if accum_steps is None:
+        raise PlanError("windows needs accum_steps (micro-batches per window) or max_tokens")
     accum_steps = _positive_int("accum_steps", accum_steps)
     if pad_to_multiple is not None:
         _positive_int("pad_to_multiple", pad_to_multiple)

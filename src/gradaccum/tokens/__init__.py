@@ -1,0 +1,9 @@
+"""Micro-batches by a token budget: rows sorted by length, cut within the budget, balanced across
+ranks (:mod:`gradaccum.tokens.balance`); one window's batch into this rank's micro-batches
+(:func:`gradaccum.split_by_tokens`, :mod:`gradaccum.tokens.split`); token-budget windows from
+tokenized documents, padded or packed (``gradaccum.windows(..., max_tokens=)``,
+:mod:`gradaccum.tokens.loader`)."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

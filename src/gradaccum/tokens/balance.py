@@ -1,0 +1,276 @@
+"""Rows into micro-batches within a token budget, and micro-batches onto ranks: plain arithmetic.
+
+No tensors here: the cut and the assignment work on row lengths, so that they are tested on their
+own and the trainer, the loaders and the benchmarks plan the same way.
+
+The cut sorts the rows by length, longest first (ties by position, so the plan is deterministic),
+and fills each micro-batch while ``rows x longest <= max_tokens``. Since the rows of a micro-batch
+are neighbours in length, trimming it to its own longest row leaves little padding; since each
+micro-batch is filled until the next row would overflow it, few micro-batches are needed.
+
+The assignment is the largest differencing method of Karmarkar and Karp for ``world`` sets: each
+micro-batch starts as a partition of its own, the two partitions whose sets differ most are merged
+(the heaviest set of one with the lightest of the other), until one is left. It balances better
+than greedy longest-first placement when the items are few per rank, as here (a handful of
+micro-batches each). With ``equal_count`` the partitions start as groups of ``world`` consecutive
+micro-batches (by weight), one in each set, so every merge keeps the sets' sizes equal.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gradaccum.errors import PlanError
+from gradaccum.values import require_int
+
+__all__ = ["TokenPlan", "assign", "cut", "plan_tokens"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenPlan:
+    """Which rows form each micro-batch of each rank, and what that computes."""
+
+    ranks: tuple[tuple[tuple[int, ...], ...], ...]
+    """``ranks[r][m]``: the row indices of rank r's micro-batch m, longest row first."""
+    lengths: tuple[int, ...]
+    """Each row's length: the position after its last valid token (what trimming keeps)."""
+    valid: tuple[int, ...]
+    """Each row's valid tokens (``attention_mask`` ones)."""
+    max_tokens: int
+    """The budget: rows x longest of every micro-batch is at most this."""
+
+    def computed_tokens(self, rows: Sequence[int]) -> int:
+        """Token positions a micro-batch of these rows computes once trimmed: rows x longest."""
+        return len(rows) * max(self.lengths[i] for i in rows)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches over every rank."""
+        return sum(len(rank) for rank in self.ranks)
+
+    @property
+    def rank_valid_tokens(self) -> tuple[int, ...]:
+        """Each rank's valid tokens."""
+        return tuple(sum(self.valid[i] for mb in rank for i in mb) for rank in self.ranks)
+
+    @property
+    def rank_computed_tokens(self) -> tuple[int, ...]:
+        """Each rank's computed token positions (padding included)."""
+        return tuple(sum(self.computed_tokens(mb) for mb in rank) for rank in self.ranks)
+
+    @property
+    def padding_fraction(self) -> float:
+        """Padding over computed positions, every rank's micro-batches together."""
+        computed = sum(self.rank_computed_tokens)
+        return 1 - sum(self.valid) / computed if computed else 0.0
+
+    @property
+    def fewest_micro_batches(self) -> int:
+        """The fewest micro-batches the budget allows: every valid token must fit somewhere."""
+        return max(1, -(-sum(self.valid) // self.max_tokens))
+
+    @property
+    def imbalance(self) -> float:
+        """The largest distance of a rank's valid tokens from the ranks' mean, over that mean."""
+        tokens = self.rank_valid_tokens
+        mean = sum(tokens) / len(tokens)
+        return max(abs(t - mean) for t in tokens) / mean if mean else 0.0
+
+
+def cut(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices in micro-batches of at most ``max_tokens`` computed tokens, longest rows first.
+
+    A row longer than the budget is refused (:class:`PlanError` naming its length and the budget):
+    no micro-batch could hold it, and cutting it would change what the model sees.
+    """
+    max_tokens = require_int("max_tokens", max_tokens, error=PlanError)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if order and lengths[order[0]] > max_tokens:
+        i = order[0]
+        raise PlanError(
+            f"row {i} holds a sequence of {lengths[i]} tokens, longer than max_tokens={max_tokens}: no "
+            f"micro-batch within the budget can hold it. Raise max_tokens to at least {lengths[i]}, or "
+            "cut or drop the sequences longer than the budget before batching."
+        )
+    out: list[list[int]] = []
+    for i in order:
+        # the first row of a micro-batch is its longest, so rows x that length is its cost
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _halve(micro_batches: list[list[int]], world: int) -> None:
+    """Split the micro-batch of most rows in two (each half stays within the budget, trimmed)."""
+    j = max(range(len(micro_batches)), key=lambda m: (len(micro_batches[m]), -m))
+    rows = micro_batches[j]
+    if len(rows) < 2:
+        raise PlanError(
+            f"equal_count=True: the window's {len(micro_batches)} micro-batches hold one row each and "
+            f"cannot be dealt equally to {world} ranks; give the window a multiple of {world} rows, "
+            "or a larger max_tokens"
+        )
+    half = (len(rows) + 1) // 2
+    micro_batches[j : j + 1] = [rows[:half], rows[half:]]
+
+
+def assign(weights: Sequence[int], world: int, *, equal_count: bool = False) -> list[list[int]]:
+    """Item indices in ``world`` sets of balanced summed weight (largest differencing, see the
+    module); with ``equal_count`` every set holds ``len(weights) / world`` items (which must divide).
+    Sets come back heaviest first, each holding its items in their given order."""
+    world = require_int("world", world, error=PlanError)
+    if equal_count and len(weights) % world:
+        raise PlanError(f"internal: {len(weights)} items do not divide into {world} equal sets")
+    counter = itertools.count()
+    # a partition: (-(max - min), tiebreak, sets) where sets are (sum, items) heaviest first
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+
+    def push(sets: list[tuple[int, list[int]]]) -> None:
+        sets.sort(key=lambda s: (-s[0], s[1][:1]))
+        heapq.heappush(heap, (sets[-1][0] - sets[0][0], next(counter), sets))
+
+    ascending = sorted(range(len(weights)), key=lambda i: (weights[i], i))
+    if equal_count:
+        for start in range(0, len(ascending), world):
+            push([(weights[i], [i]) for i in ascending[start : start + world]])
+    else:
+        for i in ascending:
+            push([(weights[i], [i])] + [(0, []) for _ in range(world - 1)])
+    if not heap:
+        return [[] for _ in range(world)]
+    while len(heap) > 1:
+        _, _, first = heapq.heappop(heap)
+        _, _, second = heapq.heappop(heap)
+        # heaviest of one with lightest of the other: the differences cancel
+        push([(a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second), strict=True)])
+    return [sorted(items) for _, items in heap[0][2]]
+
+
+BALANCE_TOLERANCE = 0.02
+"""How far a rank's valid tokens may lie from the ranks' mean before the plan spends another
+micro-batch on balance: the slowest rank then waits about 2 % longer than the mean one."""
+
+
+def _longest(rows: Sequence[int], lengths: Sequence[int], without: int = -1, extra: int = -1) -> int:
+    return max((lengths[i] for i in (*rows, extra) if i >= 0 and i != without), default=0)
+
+
+def _rebalance(
+    ranks: list[list[list[int]]], lengths: Sequence[int], valid: Sequence[int], max_tokens: int
+) -> None:
+    """Move or swap single rows from the heaviest rank to the lightest, in place, while that
+    narrows their gap and the ranks lie further than :data:`BALANCE_TOLERANCE` from the mean.
+
+    Of the moves that fit the budget and narrow the gap, the one that adds the fewest computed
+    tokens (padding) is taken, then the one that narrows it most: rows go where a micro-batch has
+    room for them, which is why a plan with a micro-batch more than the fewest balances better.
+    """
+
+    def cost(rows: Sequence[int], without: int = -1, extra: int = -1) -> int:
+        n = len(rows) - (without >= 0) + (extra >= 0)
+        return n * _longest(rows, lengths, without, extra)
+
+    for _ in range(4 * len(lengths)):  # each move narrows the gap; this only bounds the work
+        totals = [sum(valid[i] for mb in rank for i in mb) for rank in ranks]
+        mean = sum(totals) / len(totals)
+        if max(abs(t - mean) for t in totals) <= BALANCE_TOLERANCE * mean:
+            return
+        heavy = max(range(len(ranks)), key=lambda r: (totals[r], -r))
+        light = min(range(len(ranks)), key=lambda r: (totals[r], r))
+        gap = totals[heavy] - totals[light]
+        best: tuple[int, float, int, int, int, int] | None = None
+        for x, rows_x in enumerate(ranks[heavy]):
+            before_x = cost(rows_x)
+            for y, rows_y in enumerate(ranks[light]):
+                before = before_x + cost(rows_y)
+                for a in rows_x:
+                    moves = (
+                        [-1] + [b for b in rows_y if valid[b] < valid[a]]
+                        if len(rows_x) > 1
+                        else [b for b in rows_y if valid[b] < valid[a]]
+                    )
+                    for b in moves:
+                        narrowed = abs(gap - 2 * (valid[a] - (valid[b] if b >= 0 else 0)))
+                        if narrowed >= gap:
+                            continue
+                        after_x, after_y = cost(rows_x, a, b), cost(rows_y, b, a)
+                        if after_x > max_tokens or after_y > max_tokens:
+                            continue
+                        key = (after_x + after_y - before, narrowed, x, y, a, b)
+                        if best is None or key < best:
+                            best = key
+        if best is None:
+            return
+        _, _, x, y, a, b = best
+        ranks[heavy][x].remove(a)
+        ranks[light][y].append(a)
+        if b >= 0:
+            ranks[light][y].remove(b)
+            ranks[heavy][x].append(b)
+        for mb in (ranks[heavy][x], ranks[light][y]):
+            mb.sort(key=lambda i: (-lengths[i], i))
+
+
+def _imbalance(ranks: list[list[list[int]]], valid: Sequence[int]) -> float:
+    totals = [sum(valid[i] for mb in rank for i in mb) for rank in ranks]
+    mean = sum(totals) / len(totals)
+    return max(abs(t - mean) for t in totals) / mean if mean else 0.0
+
+
+def plan_tokens(
+    lengths: Sequence[int],
+    max_tokens: int,
+    *,
+    world: int = 1,
+    equal_count: bool = False,
+    valid: Sequence[int] | None = None,
+) -> TokenPlan:
+    """Cut rows into micro-batches within ``max_tokens`` and assign them to ``world`` ranks,
+    balancing the ranks' valid tokens (``valid``, default the lengths).
+
+    The fewest micro-batches the sorted cut allows come first; while the ranks' valid tokens lie
+    further than :data:`BALANCE_TOLERANCE` from their mean after the assignment and the row moves
+    (:func:`_rebalance`), one more micro-batch (``world`` more with ``equal_count``) is made by
+    splitting the one of most rows, up to ``world`` more in all; the best balanced plan is kept.
+    Every rank gets at least one micro-batch (a rank with an empty window cannot step), and with
+    ``equal_count`` the same number. Fewer rows than ranks is refused.
+    """
+    world = require_int("world", world, error=PlanError)
+    valid = list(lengths if valid is None else valid)
+    if len(valid) != len(lengths):
+        raise PlanError(f"internal: {len(valid)} valid counts for {len(lengths)} rows")
+    if len(lengths) < world:
+        raise PlanError(
+            f"the window holds {len(lengths)} rows for {world} ranks: every rank needs at least one row "
+            "to step. Give the window at least one row per rank (a larger global batch)."
+        )
+    micro_batches = cut(lengths, max_tokens)
+    while len(micro_batches) < world or (equal_count and len(micro_batches) % world):
+        _halve(micro_batches, world)
+    fewest = len(micro_batches)
+    best: list[list[list[int]]] | None = None
+    while True:
+        weights = [sum(valid[i] for i in mb) for mb in micro_batches]
+        sets = assign(weights, world, equal_count=equal_count)
+        ranks = [[list(micro_batches[m]) for m in items] for items in sets]
+        if world > 1:
+            _rebalance(ranks, lengths, valid, max_tokens)
+        if best is None or _imbalance(ranks, valid) < _imbalance(best, valid):
+            best = ranks
+        if _imbalance(best, valid) <= BALANCE_TOLERANCE or len(micro_batches) >= fewest + world:
+            break
+        if max(len(mb) for mb in micro_batches) < 2:
+            break
+        for _ in range(world if equal_count else 1):
+            _halve(micro_batches, world)
+    return TokenPlan(
+        ranks=tuple(tuple(tuple(mb) for mb in rank) for rank in best),
+        lengths=tuple(lengths),
+        valid=tuple(valid),
+        max_tokens=max_tokens,
+    )
