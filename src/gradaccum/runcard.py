@@ -72,6 +72,10 @@ class RunCard:
     """``ADOPT`` / ``KEEP BASELINE`` for cards written by ``accept``."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form details of the writer (schedule clock, trace window, ...); JSON values only."""
+    max_tokens: int | None = None
+    """Micro-batches by a token budget (:func:`gradaccum.split_by_tokens`): at most this many tokens
+    each, the plan holding the global batch as rows per rank; ``None`` (and cards that predate it):
+    the plan's fixed micro-batches."""
     compile: bool = False
     """The model ran compiled (``torch.compile``, in place, before DDP): ``train --runcard``
     compiles too. Cards written before issue 23 have no such field and read as eager."""
@@ -114,6 +118,7 @@ class RunCard:
             "verdict": self.verdict,
             "extra": dict(self.extra),
             "compile": self.compile,
+            "max_tokens": self.max_tokens,
         }
 
     @classmethod
@@ -173,6 +178,8 @@ class RunCard:
                 raise RunCardError(f"run card '{key}' must be a string or null, got {data[key]!r}")
         tokens = data.get("tokens_per_step")
         require_int("run card tokens_per_step", tokens, low=0, error=RunCardError, none_ok=True)
+        max_tokens = data.get("max_tokens")
+        require_int("run card max_tokens", max_tokens, error=RunCardError, none_ok=True)
         return cls(
             workload=data["workload"],
             plan=plan,
@@ -190,6 +197,7 @@ class RunCard:
             verdict=data.get("verdict"),
             extra=dict(extra),
             compile=data.get("compile", False),
+            max_tokens=max_tokens,
         )
 
 

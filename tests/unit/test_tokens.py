@@ -122,6 +122,7 @@ def test_a_sequence_longer_than_the_budget_is_refused_naming_length_and_budget()
     ("batch", "kwargs", "match"),
     [
         ({"input_ids": torch.ones(4, 3)}, {}, "attention_mask"),
+        ({"attention_mask": torch.ones(4)}, {}, r"must be a \(rows, seq\) tensor"),
         (torch.ones(4, 3), {}, "attention_mask"),
         (padded_batch([3, 4]), {"world": 3}, "2 rows for 3 ranks"),
         (padded_batch([3, 4]), {"world": 2, "rank": 2}, "rank=2 is not one of"),
@@ -137,6 +138,14 @@ def test_equal_count_that_cannot_be_reached_is_refused() -> None:
     # three rows that each fill the budget cannot be dealt equally to two ranks
     with pytest.raises(PlanError, match="equal_count=True"):
         plan_tokens([8, 8, 8], 8, world=2, equal_count=True)
+
+
+def test_without_an_attention_mask_the_labels_mark_the_tokens() -> None:
+    batch = padded_batch([5, 30, 7, 12])
+    del batch["attention_mask"]
+    micro_batches = gradaccum.split_by_tokens(batch, 32)
+    assert [mb["row"].tolist() for mb in micro_batches] == [[1], [3, 2], [0]]
+    assert [mb["input_ids"].shape[1] for mb in micro_batches] == [30, 12, 5]
 
 
 def test_rows_without_a_token_keep_one_position() -> None:

@@ -2,6 +2,7 @@
 
     gradaccum train --steps 40                                  # the bundled tiny GPT, defaults
     gradaccum train --global-batch 64 --micro-batch 8 --schedule-clock tokens
+    gradaccum train --global-batch 64 --max-tokens 256           # micro-batches by a token budget
     gradaccum train --runcard runs/accept-.../runcard.json      # exactly what accept verified
     torchrun --nproc_per_node 2 -m gradaccum train --fsdp       # DDP by default, FSDP2 with --fsdp
     gradaccum train --run-dir runs/x --resume auto              # continue, or start, runs/x
@@ -125,6 +126,14 @@ def _add_what(what: argparse._ArgumentGroup) -> None:
         type=int_at_least(1),
         metavar="N",
         help=f"examples per forward pass on each rank (default {DEFAULT_MICRO_BATCH})",
+    )
+    what.add_argument(
+        "--max-tokens",
+        type=int_at_least(1),
+        metavar="N",
+        help="instead of --micro-batch: micro-batches of at most N tokens (rows x longest row), each "
+        "window's rows sorted by length and balanced across ranks by tokens (default: none, fixed "
+        "micro-batches)",
     )
     what.add_argument(
         "--precision",

@@ -21,39 +21,41 @@ import torch
 
 from gradaccum.batch import Batch, batch_size, select, trim_length
 from gradaccum.errors import PlanError
+from gradaccum.loss import IGNORE_INDEX
 from gradaccum.tokens.balance import TokenPlan, plan_tokens
 from gradaccum.values import require_int
 
 __all__ = ["plan_batch", "split_by_tokens"]
 
 
-def _mask(batch: Batch) -> torch.Tensor:
-    if not isinstance(batch, Mapping) or "attention_mask" not in batch:
+def _tokens(batch: Batch) -> torch.Tensor:
+    """Where each row holds a token, ``(rows, seq)`` bool on the host: the ``attention_mask``, or
+    for a batch without one the labels that are not the ignore index (-100)."""
+    key = "attention_mask" if isinstance(batch, Mapping) and "attention_mask" in batch else "labels"
+    if not isinstance(batch, Mapping) or key not in batch:
         got = sorted(map(str, batch)) if isinstance(batch, Mapping) else type(batch).__name__
         raise PlanError(
-            f"split_by_tokens reads each row's length from batch['attention_mask'], got {got}; pass the "
-            "window's global batch as a mapping of right-padded tensors with an attention_mask "
-            "(1 on tokens, 0 on padding)"
+            f"split_by_tokens reads each row's length from batch['attention_mask'] (or, without one, "
+            f"batch['labels']), got {got}; pass the window's global batch as a mapping of right-padded "
+            "tensors with an attention_mask (1 on tokens, 0 on padding)"
         )
-    mask = batch["attention_mask"]
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
-        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise PlanError(f"attention_mask must be a (rows, seq) tensor, got {shape}")
+    marks = batch[key]
+    if not isinstance(marks, torch.Tensor) or marks.ndim != 2 or marks.shape[1] == 0:
+        shape = tuple(marks.shape) if isinstance(marks, torch.Tensor) else type(marks).__name__
+        raise PlanError(f"{key} must be a (rows, seq) tensor with seq >= 1, got {shape}")
     batch_size(batch)  # every tensor shares dim 0
-    return mask
+    marks = marks.detach().to("cpu")
+    return marks != 0 if key == "attention_mask" else marks != IGNORE_INDEX
 
 
 def plan_batch(batch: Batch, max_tokens: int, *, world: int = 1, equal_count: bool = False) -> TokenPlan:
     """Every rank's micro-batches of ``batch`` as row indices, with what they compute
     (:class:`gradaccum.tokens.balance.TokenPlan`): what :func:`split_by_tokens` cuts by."""
-    mask = _mask(batch)
-    present = mask.detach().to("cpu") != 0
+    present = _tokens(batch)
     positions = torch.arange(1, present.shape[1] + 1).expand_as(present)
     # a row's length is the position after its last token: what trimming must keep (at least 1,
     # so that a row without a token still has a shape the model takes)
-    lengths = (positions * present).amax(dim=1).clamp(min=1) if present.shape[1] else None
-    if lengths is None:
-        raise PlanError("attention_mask has no positions (seq 0): nothing to cut")
+    lengths = (positions * present).amax(dim=1).clamp(min=1)
     valid = present.sum(dim=1)
     return plan_tokens(
         [int(n) for n in lengths.tolist()],
@@ -73,20 +75,21 @@ def split_by_tokens(
     ...     window = gradaccum.split_by_tokens(batch, 4096, rank=rank, world=world)
     ...     acc.step(window, loss.loss_fn, loss.count_fn)
 
-    ``batch`` is a mapping of right-padded tensors sharing dim 0 with an ``attention_mask``; every
-    rank passes the same one. The rows are sorted by length (longest first, ties by position: the
-    result is deterministic) and cut into micro-batches of at most ``max_tokens`` computed tokens,
-    rows x longest; each micro-batch holds the same keys, trimmed to its own longest row. Every row
-    lies in exactly one micro-batch of one rank; every rank gets at least one.
+    ``batch`` is a mapping of right-padded tensors sharing dim 0 with an ``attention_mask`` (without
+    one, the labels that are not -100 mark the tokens); every rank passes the same one. The rows
+    are sorted by length (longest first, ties by position: the result is deterministic) and cut
+    into micro-batches of at most ``max_tokens`` computed tokens, rows x longest; each micro-batch
+    holds the same keys, trimmed to its own longest row. Every row lies in exactly one micro-batch
+    of one rank; every rank gets at least one.
 
     What is balanced: the ranks' **valid tokens**, by Karmarkar-Karp's largest differencing over the
     micro-batches, then single rows moved or swapped from the heaviest rank to the lightest where a
     micro-batch has room (see :mod:`gradaccum.tokens.balance`). Valid tokens, not tokens plus an
     attention term, because every rank's micro-batches come out of the same length-sorted cut with
-    the same budget, so a rank's computed tokens (padding included) follow its valid ones, and for
-    the sequence lengths a token budget is used at (the budget bounds them) a transformer's time
-    grows with tokens through its projections and MLPs far more than through attention's
-    length-squared term. Those are also the units the gradient weighs, so the ranks' shares of N agree too.
+    the same budget, so a rank's computed tokens (padding included) follow its valid ones; and at
+    the lengths a budget bounds, a transformer's time grows with tokens through its projections
+    and MLPs far more than through attention's length-squared term. They are also the units the
+    gradient weighs.
 
     ``equal_count=True`` gives every rank the same number of micro-batches: FSDP, FSDP2 and meshes
     gather parameters in every forward, and the step refuses unequal counts there. Without it the
@@ -101,7 +104,7 @@ def split_by_tokens(
         raise PlanError(f"rank={rank} is not one of the world's {world} ranks (0..{world - 1})")
     plan = plan_batch(batch, max_tokens, world=world, equal_count=equal_count)
     out = []
-    device = batch["attention_mask"].device
+    device = batch["attention_mask" if "attention_mask" in batch else "labels"].device
     for rows in plan.ranks[rank]:
         longest = max(plan.lengths[i] for i in rows)
         index = torch.tensor(rows, dtype=torch.long, device=device)

@@ -98,9 +98,25 @@ class TrainConfig:
     """Held-out examples per evaluation, split across the data-parallel ranks."""
     resume: Path | None = None
     """A checkpoint folder, or a run folder (its latest checkpoint), to continue from."""
+    max_tokens: int | None = None
+    """Cut each window's global batch into micro-batches of at most this many tokens (rows x
+    longest row), balanced across the ranks (:func:`gradaccum.split_by_tokens`; equal counts under
+    FSDP2), instead of ``plan.micro_batch`` rows each; the plan then holds the global batch as
+    ``global_batch / dp`` rows per rank and one window. ``None``: fixed micro-batches."""
     batch_schedule: CriticalBatchConfig | None = None
     """Grow the global batch with the measured noise scale (``accum_steps`` rises, ``plan`` is the
     start); needs ``accum.noise_scale``. ``None``: the plan's batch throughout."""
+
+    def equation(self, window_tokens: int | None = None) -> str:
+        """The batch equation; with ``max_tokens``, the window in rows and in tokens (``window_tokens``:
+        the valid tokens of a window, when known) and the budget of each micro-batch."""
+        if self.max_tokens is None:
+            return self.plan.equation()
+        tokens = "" if window_tokens is None else f" = {window_tokens:,} valid tokens in the first window"
+        return (
+            f"global_batch = {self.plan.global_batch} rows{tokens}, over dp {self.plan.dp}; micro-batches "
+            f"of at most max_tokens {self.max_tokens} tokens (rows x longest row), balanced by tokens"
+        )
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, BatchPlan):
@@ -116,6 +132,11 @@ class TrainConfig:
         ):
             raise TrainError(f"checkpoint_minutes must be a positive number or None, got {minutes!r}")
         _positive("eval_every", self.eval_every)
+        _positive("max_tokens", self.max_tokens)
+        if self.max_tokens is not None and self.batch_schedule is not None:
+            raise TrainError(
+                "max_tokens and batch_schedule cannot be combined: the schedule grows accum_steps"
+            )
         _positive("keep_checkpoints", self.keep_checkpoints, allow_none=False)
         _positive("eval_examples", self.eval_examples, allow_none=False)
         if self.precision not in PRECISIONS:

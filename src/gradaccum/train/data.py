@@ -13,6 +13,10 @@ cuts them into ``accum_steps`` consecutive micro-batches. So:
 * every rank can count the whole window's valid units locally (``count_fn`` of the global batch),
   which the tokens clock needs before the update, without an extra collective.
 
+With a token budget (``max_tokens``) rank ``r`` instead takes its micro-batches of
+:func:`gradaccum.split_by_tokens` of the global batch: rows sorted by length, cut within the budget
+and balanced across ranks, the same on every rank, so the data position is still the window.
+
 Each rank draws the whole global batch and keeps its shard: for workloads whose ``make_batch`` is
 expensive, build a workload whose batches are cheap index lists and load inside ``loss_fn``.
 """
@@ -25,8 +29,10 @@ from typing import Any
 import torch
 
 from gradaccum.batch import Batch, batch_size, cast, split, take, to_device
+from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan
 from gradaccum.step.accumulator import CountFn
+from gradaccum.tokens.split import split_by_tokens
 from gradaccum.train.config import TrainError
 
 __all__ = [
@@ -111,6 +117,8 @@ class ShardedStream:
         seed: int,
         device: torch.device,
         float_dtype: torch.dtype | None = None,
+        max_tokens: int | None = None,
+        equal_count: bool = False,
     ) -> None:
         self.make_batch = make_batch
         self.count_fn = count_fn
@@ -119,6 +127,8 @@ class ShardedStream:
         self.seed = seed
         self.device = device
         self.float_dtype = float_dtype
+        self.max_tokens = max_tokens
+        self.equal_count = equal_count
         self.start, self.stop = shard_bounds(plan, rank)
 
     def window(self, index: int, plan: BatchPlan | None = None) -> Window:
@@ -138,12 +148,26 @@ class ShardedStream:
                 "must return exactly the number of examples asked for"
             )
         global_count = int(torch.as_tensor(self.count_fn(full)))
+        if self.max_tokens is not None:
+            return Window(index=index, micro_batches=self._by_tokens(full, index), global_count=global_count)
         local = self._prepare(take(full, start, stop))
         return Window(
             index=index,
             micro_batches=split(local, micro_batch=plan.micro_batch),
             global_count=global_count,
         )
+
+    def _by_tokens(self, full: Batch, index: int) -> list[Batch]:
+        """This rank's micro-batches of the global batch by the token budget (every rank cuts the
+        same batch the same way, so the rows are dealt once, with no collective)."""
+        assert self.max_tokens is not None
+        try:
+            parts = split_by_tokens(
+                full, self.max_tokens, rank=self.rank, world=self.plan.dp, equal_count=self.equal_count
+            )
+        except PlanError as exc:
+            raise PlanError(f"--max-tokens {self.max_tokens} cannot cut window {index}: {exc}") from exc
+        return [self._prepare(part) for part in parts]
 
     def eval_batches(self, examples: int) -> list[Batch]:
         """This rank's share of the held-out batch, cut into micro-batches: from

@@ -249,6 +249,8 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         seed=config.seed,
         device=device,
         float_dtype=torch.float64 if config.precision == "float64" else None,
+        max_tokens=config.max_tokens,
+        equal_count=config.fsdp,  # FSDP2 gathers parameters in every forward
     )
     acc = Accumulator.from_config(model, optimizer, config.accum, scaler=scaler)
     progress, resumed_from, checkpoint_schedule, skipped = TrainProgress(), None, None, ()
@@ -351,7 +353,7 @@ def _train_window(s: _Session) -> StepRecord:
         tokens_per_s=n / elapsed if elapsed > 0 else 0.0,
         b_simple=s.acc.noise_scale.b_simple if s.acc.config.noise_scale else None,
         global_batch=plan.global_batch,
-        accum_steps=plan.accum_steps,
+        accum_steps=len(window.micro_batches),  # this rank's: a token budget varies it
         recompiles=result.recompiles,
     )
 
@@ -430,6 +432,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
         tokens_per_step=s.tokens_per_step,
         seed=config.seed,
         compile=config.compile,
+        max_tokens=config.max_tokens,
         **environment(s.device),
         extra={
             "schedule": s.schedule.to_dict(),
@@ -486,7 +489,7 @@ def train(
     )
     emit(
         TrainStart(
-            equation=config.plan.equation(),
+            equation=config.equation(s.tokens_per_step),
             world=dist.world_size(),
             device=str(s.device),
             schedule=s.schedule.to_dict(),

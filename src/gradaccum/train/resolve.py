@@ -56,6 +56,7 @@ _RESOLVED = frozenset(
         "runcard",
         "global_batch",
         "micro_batch",
+        "max_tokens",
         "precision",
         "seed",
         "steps",
@@ -122,12 +123,25 @@ def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _token_plan(global_batch: int, world: int) -> BatchPlan:
+    """With ``--max-tokens`` the plan holds the global batch only: ``global_batch / dp`` rows per
+    rank in one window (the micro-batches follow the lengths)."""
+    if global_batch % world:
+        raise PlanError(
+            f"--max-tokens: --global-batch {global_batch} is not a multiple of the {world} processes; the "
+            f"run card records the plan as rows per rank. Use a multiple of {world}."
+        )
+    return BatchPlan(micro_batch=global_batch // world, accum_steps=1, dp=world)
+
+
 def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]:
-    plan = BatchPlan.solve(
-        global_batch=_given(spec.global_batch, DEFAULT_GLOBAL_BATCH),
-        micro_batch=_given(spec.micro_batch, DEFAULT_MICRO_BATCH),
-        dp=world,
-    )
+    global_batch = _given(spec.global_batch, DEFAULT_GLOBAL_BATCH)
+    if spec.max_tokens is not None:
+        plan = _token_plan(global_batch, world)
+    else:
+        plan = BatchPlan.solve(
+            global_batch=global_batch, micro_batch=_given(spec.micro_batch, DEFAULT_MICRO_BATCH), dp=world
+        )
     max_norm = _given(spec.max_grad_norm, DEFAULT_MAX_GRAD_NORM)
     batch = _batch_schedule(spec)
     accum = AccumConfig(
@@ -147,6 +161,7 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
         "weight_decay": _given(spec.weight_decay, DEFAULT_WEIGHT_DECAY),
         "batch_schedule": batch,
         "compile": spec.compile,
+        "max_tokens": spec.max_tokens,
     }
     return plan, fixed
 
@@ -218,6 +233,7 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         "weight_decay": card.weight_decay if card.weight_decay is not None else DEFAULT_WEIGHT_DECAY,
         # compiling does not change the update: a compiled card compiles, --compile compiles any card
         "compile": card.compile or spec.compile,
+        "max_tokens": card.max_tokens,
     }
     if card.optimizer == "workload":
         optimizer = "the workload's own optimizer_factory (its learning rates are the schedule's peak)"
@@ -225,7 +241,7 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         optimizer = f"{card.optimizer}, lr {card.lr:g}, weight decay {_word(fixed['weight_decay'])}"
     accum = ", ".join(f"{k} {_word(v)}" for k, v in card.accum.to_dict().items() if k != "track_grad_norm")
     notes: tuple[str, ...] = (
-        f"from run card {path}: workload {card.workload}; {card.plan.equation()}; precision "
+        f"from run card {path}: workload {card.workload}; {_card_equation(card)}; precision "
         f"{card.precision}"
         + (" (with a GradScaler)" if card.precision == "float16" else "")
         + f"; seed {card.seed}"
@@ -242,6 +258,14 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
     return card.plan, fixed, notes
 
 
+def _card_equation(card: RunCard) -> str:
+    if card.max_tokens is None:
+        return card.plan.equation()
+    return (
+        f"global_batch = {card.plan.global_batch} rows over dp {card.plan.dp}, max_tokens {card.max_tokens}"
+    )
+
+
 def _flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
@@ -250,7 +274,10 @@ def _card_value(card: RunCard, name: str) -> str:
     values = {
         "workload": card.workload,
         "global_batch": f"{card.plan.global_batch} ({card.plan.equation()})",
-        "micro_batch": f"{card.plan.micro_batch} ({card.plan.equation()})",
+        "micro_batch": f"{card.plan.micro_batch} ({card.plan.equation()})"
+        if card.max_tokens is None
+        else f"max_tokens {card.max_tokens}, no fixed micro-batch",
+        "max_tokens": "no max_tokens (fixed micro-batches)" if card.max_tokens is None else card.max_tokens,
         "precision": card.precision,
         "seed": card.seed,
         "optimizer": card.optimizer,

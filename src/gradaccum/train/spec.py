@@ -79,6 +79,7 @@ CARD_FIELDS = (
     "workload",
     "global_batch",
     "micro_batch",
+    "max_tokens",
     "precision",
     "seed",
     "optimizer",
@@ -107,6 +108,7 @@ beside ``runcard`` they are refused like :data:`CARD_FIELDS`."""
 _POSITIVE_OR_UNSET = (
     "global_batch",
     "micro_batch",
+    "max_tokens",
     "steps",
     "tokens",
     "max_consecutive_skips",
@@ -129,6 +131,10 @@ class TrainSpec:
     """Examples per optimizer step, all ranks; ``None``: :data:`DEFAULT_GLOBAL_BATCH`."""
     micro_batch: int | None = None
     """Examples per forward pass on each rank; ``None``: :data:`DEFAULT_MICRO_BATCH`."""
+    max_tokens: int | None = None
+    """Instead of ``micro_batch``: micro-batches of at most this many tokens (rows x longest row),
+    the window's rows sorted by length and balanced across ranks (:func:`gradaccum.split_by_tokens`);
+    ``None``: fixed micro-batches."""
     precision: Precision | None = None
     """Compute precision; ``None``: float32."""
     seed: int | None = None
@@ -224,6 +230,16 @@ class TrainSpec:
                 "--batch-schedule critical grows the global batch up to a declared bound: give "
                 "--max-global-batch (examples per optimizer step, all ranks; a multiple of "
                 "--micro-batch x processes)"
+            )
+        if self.max_tokens is not None and self.micro_batch is not None:
+            raise PlanError(
+                f"--max-tokens {self.max_tokens} cuts each window into micro-batches by tokens, instead of "
+                f"--micro-batch {self.micro_batch} rows: give one of them"
+            )
+        if self.max_tokens is not None and self.batch_schedule == "critical":
+            raise PlanError(
+                "--batch-schedule critical grows accum_steps at a fixed --micro-batch; with --max-tokens the "
+                "micro-batches follow the lengths: train with one of them"
             )
         if self.min_lr_ratio > 1:
             raise TrainError(f"min_lr_ratio must be a fraction from 0 to 1, got {self.min_lr_ratio!r}")

@@ -1,0 +1,87 @@
+"""``gradaccum train --max-tokens``: micro-batches by a token budget, recorded and replayed."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gradaccum.cli.main import main
+from gradaccum.runcard import read_runcard
+from tests.train.common import one_thread
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+def test_max_tokens_trains_prints_rows_and_tokens_and_the_card_replays_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = tmp_path / "first"
+    argv = ["train", "--steps", "3", "--global-batch", "16", "--max-tokens", "96", "--run-dir", str(first)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    equation = re.search(
+        r"batch equation: global_batch = 16 rows = ([\d,]+) valid tokens in the first window", out
+    )
+    assert equation is not None, out
+    assert "micro-batches of at most max_tokens 96 tokens (rows x longest row)" in out
+    assert "completed: 3 boundaries, 3 updates applied" in out
+    card = json.loads((first / "runcard.json").read_text())
+    assert card["max_tokens"] == 96 and card["global_batch"] == 16
+    assert card["tokens_per_step"] == int(equation.group(1).replace(",", ""))
+    # the tiny GPT's rows hold 4..32 tokens: 96 tokens hold 3 rows of the longest, more of shorter
+    # ones, so 16 rows take a handful of micro-batches (fixed ones of 3 rows would take 6)
+    lines = (first / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines if '"kind": "step"' in line]
+    assert all(s["applied"] for s in steps)
+    assert all(2 <= s["accum_steps"] < 6 for s in steps), [s["accum_steps"] for s in steps]
+
+    again = tmp_path / "again"
+    argv = ["train", "--runcard", str(first / "runcard.json"), "--steps", "3", "--run-dir", str(again)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "max_tokens 96" in out
+    assert read_runcard(again / "runcard.json").max_tokens == 96
+    losses = [
+        [
+            json.loads(line)["loss"]
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+            if '"kind": "step"' in line
+        ]
+        for run in (first, again)
+    ]
+    assert losses[0] == losses[1]  # the same windows cut the same way: the same run
+
+    argv = [
+        "train",
+        "--runcard",
+        str(first / "runcard.json"),
+        "--max-tokens",
+        "64",
+        "--run-dir",
+        str(tmp_path / "x"),
+    ]
+    assert main(argv) == 2
+    assert "--max-tokens 64 (the card has 96)" in capsys.readouterr().err
+
+
+def test_a_budget_below_the_longest_sequence_exits_2_naming_max_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--steps", "2", "--max-tokens", "16", "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 16" in err and "longer than max_tokens=16" in err, err
+
+
+def test_max_tokens_replaces_micro_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--micro-batch", "4", "--max-tokens", "64", "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert "give one of them" in capsys.readouterr().err
