@@ -40,6 +40,7 @@ import torch
 import gradaccum
 from gradaccum.batch import batch_size, split, take, trim_length
 from gradaccum.examples import tiny_gpt
+from gradaccum.tokens.balance import TokenPlan, assign, cut, plan_tokens
 from gradaccum.workloads.base import Workload
 
 _VOCABULARY = """the a cat dog sat ran on under mat box far near home away birds fly high low red blue green
@@ -213,6 +214,38 @@ def _load(spec: str) -> Workload:
     return hf_workload(HFSpec.parse(spec), batch_size=256)
 
 
+def issue_window() -> None:
+    """The plan alone on 256 log-normal lengths (median 51, 8..512), budget 2,048, 4 ranks."""
+    g = torch.Generator().manual_seed(1)
+    draws = torch.exp(torch.randn(256, generator=g) + math.log(51.0)).round().clamp(8, 512)
+    lengths = [int(n) for n in draws.tolist()]
+    fewest = -(-sum(lengths) // 2048)
+    total = sum(lengths)
+    print(f"\n256 skewed lengths, {total:,} valid tokens, budget 2048 (>= {fewest} micro-batches), 4 ranks")
+    computed = sum(4 * max(lengths[i : i + 4]) for i in range(0, 256, 4))
+    name = "fixed, 4 rows each, dataset order"
+    print(f"  {name:<40}{64:>4} micro-batches, padding {1 - total / computed:6.1%}")
+    micro_batches = cut(lengths, 2048)
+    sets = assign([sum(lengths[i] for i in mb) for mb in micro_batches], 4)
+    kk = TokenPlan(
+        ranks=tuple(tuple(tuple(micro_batches[m]) for m in s) for s in sets),
+        lengths=tuple(lengths),
+        valid=tuple(lengths),
+        max_tokens=2048,
+    )
+    rows = {
+        "sorted cut + largest differencing only": kk,
+        "split_by_tokens": plan_tokens(lengths, 2048, world=4),
+        "split_by_tokens(equal_count=True)": plan_tokens(lengths, 2048, world=4, equal_count=True),
+    }
+    for name, plan in rows.items():
+        counts = "/".join(str(len(r)) for r in plan.ranks)
+        print(
+            f"  {name:<40}{plan.micro_batches:>4} micro-batches ({counts}), padding "
+            f"{plan.padding_fraction:6.1%}, ranks' valid tokens within {plan.imbalance:.1%} of their mean"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -222,6 +255,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} measured windows per arm")
     chosen = args.workloads.split(",")
+    issue_window()
     if "gpt" in chosen:
         gpt = Setting("bundled tiny GPT (rows of 4..32 tokens)", 64, 256, 32)
         throughput(tiny_gpt(), gpt, args.rounds)
