@@ -21,6 +21,7 @@ SWEEP_KEYS = [
     "device", "threads", "bucket_cap_mb", "seed", "max_grad_norm", "memory_budget_bytes",
     "checkpointing", "sharding",  # issue 15: appended, the earlier keys unchanged
     "compile",  # issue 23: appended (the sweep's eager/compiled dimension)
+    "max_tokens",  # issue 34: appended (token-budget arms)
 ]  # fmt: skip
 ACCEPT_KEYS = [
     "workload", "baseline", "candidate", "margin", "block_updates", "blocks", "max_consecutive_skips",
@@ -72,6 +73,23 @@ def test_every_setting_but_runs_reaches_the_measured_configuration() -> None:
     assert (spec.workload, spec.micro_batch, spec.accum_steps, spec.dp) == ("m:f", 4, 2, 2)
     shared = [f.name for f in fields(MeasureSettings) if f.name != "runs"]
     assert {n: getattr(spec, n) for n in shared} == {n: getattr(SETTINGS, n) for n in shared}
+
+
+def test_a_token_budget_arm_holds_the_window_as_rows_per_rank() -> None:
+    sweep = SweepSpec(workload="m:f", global_batch=8, dp=2, plans=(plan(2, 2, dp=2),), max_tokens=(64,))
+    fixed, tokens = sweep.measure_specs()
+    assert (fixed.label, fixed.max_tokens) == ("2x2x2", None)
+    assert (tokens.label, tokens.micro_batch, tokens.accum_steps, tokens.max_tokens) == (
+        "tokens<=64",
+        4,
+        1,
+        64,
+    )
+    assert MeasureSpec.from_dict(tokens.to_dict()) == tokens
+    with pytest.raises(BenchError, match="accum_steps 1"):
+        MeasureSpec(workload="m:f", micro_batch=4, accum_steps=2, max_tokens=64)
+    with pytest.raises(BenchError, match="multiple of dp=2"):
+        SweepSpec(workload="m:f", global_batch=7, dp=2, plans=(plan(7, 1),), max_tokens=(64,))
 
 
 def test_sweep_results_keep_their_flat_spec_record() -> None:

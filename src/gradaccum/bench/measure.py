@@ -47,6 +47,7 @@ from gradaccum.distributed.comm import CommCounter, Fsdp2CommCounter, count_allr
 from gradaccum.distributed.wrap import fsdp2_units, wrap_model
 from gradaccum.errors import BenchError
 from gradaccum.step.accumulator import Accumulator
+from gradaccum.tokens.split import split_by_tokens
 
 __all__ = ["measure", "measure_paired", "measure_paired_safely", "measure_safely", "peak_rss_bytes"]
 
@@ -184,6 +185,11 @@ class _Arm:
         this global batch (so tokens per update match exactly), this rank's slice of them."""
         spec, plan = self.spec, self.spec.plan
         batch = self.workload.make_batch(plan.global_batch, spec.seed + 1 + update)
+        if spec.max_tokens is not None:  # every rank cuts the same global batch the same way
+            parts = split_by_tokens(
+                batch, spec.max_tokens, rank=self.rank, world=plan.dp, equal_count=spec.fsdp
+            )
+            return [cast(part, self.param_dtype, self.device) for part in parts]
         mine = take(batch, self.rank * plan.local_batch, (self.rank + 1) * plan.local_batch)
         return split(cast(mine, self.param_dtype, self.device), micro_batch=spec.micro_batch)
 
@@ -248,7 +254,7 @@ class _Arm:
     def run(self, updates: int) -> list[_Update]:
         """The next ``updates`` timed updates."""
         out = []
-        k, device, clock, counter = self.spec.accum_steps, self.device, self.clock, self.counter
+        device, clock, counter = self.device, self.clock, self.counter
         fsdp = self.fsdp_counter
         for u in range(self.next_update, self.next_update + updates):
             micro_batches = self.window(u)
@@ -264,7 +270,7 @@ class _Arm:
             result = self.acc.step(micro_batches, self.loss_fn, self.workload.count_fn)
             step_ms = (clock.now() - start) * 1e3
             self.recompiles += result.recompiles
-            counting, micro, optimizing = clock.phases(k)
+            counting, micro, optimizing = clock.phases(len(micro_batches))  # a token budget varies k
             out.append(
                 _Update(
                     other_ms=step_ms - (counting or 0.0) - sum(micro) - (optimizing or 0.0),

@@ -195,7 +195,12 @@ def memory_model_of(configs: Sequence[ConfigSummary]) -> MemoryModel | None:
     (:mod:`gradaccum.bench.advisor`) compares those rows by their measured figures instead.
     """
     measured = [
-        c for c in configs if c.memory is not None and c.spec.checkpointing == "none" and not c.spec.fsdp
+        c
+        for c in configs
+        if c.memory is not None
+        and c.spec.checkpointing == "none"
+        and not c.spec.fsdp
+        and c.spec.max_tokens is None  # a token budget's rows are not a point on the micro-batch line
     ]
     if not measured:
         return None

@@ -37,8 +37,9 @@ def _kind(c: ConfigSummary) -> str:
 
 
 def _throughput(ax: Any, configs: Sequence[ConfigSummary]) -> None:
-    done = [c for c in configs if c.ok and c.units_per_s is not None]
-    failed = [c for c in configs if not c.ok]
+    # plotted against the micro-batch: a token budget's rows have none (the report tabulates them)
+    done = [c for c in configs if c.ok and c.units_per_s is not None and c.spec.max_tokens is None]
+    failed = [c for c in configs if not c.ok and c.spec.max_tokens is None]
     kinds = list(dict.fromkeys(_kind(c) for c in done))
     for kind in kinds:
         series = sorted((c for c in done if _kind(c) == kind), key=lambda c: c.spec.micro_batch)

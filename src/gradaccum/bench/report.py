@@ -105,8 +105,9 @@ def phase_lines(configs: Sequence[ConfigSummary]) -> list[str]:
             continue
         count_ms, micro, optim, other, step = means
         k = c.spec.accum_steps
+        each = f" ({k} x {micro / k:.2f})" if c.spec.max_tokens is None else ""  # a budget varies k
         lines.append(
-            f"- {c.spec.row_label}: count {count_ms:.2f} + micro-batches {micro:.2f} ({k} x {micro / k:.2f}) "
+            f"- {c.spec.row_label}: count {count_ms:.2f} + micro-batches {micro:.2f}{each} "
             f"+ optimizer {optim:.2f} + other {other:.2f} = step {step:.2f} ms"
         )
     return lines
@@ -118,7 +119,7 @@ def memory_predictions(result: SweepResult) -> list[float | None]:
     mm = result.memory_model
     return [
         None
-        if mm is None or c.spec.checkpointing != "none" or c.spec.fsdp
+        if mm is None or c.spec.checkpointing != "none" or c.spec.fsdp or c.spec.max_tokens is not None
         else mm.predict(c.spec.micro_batch)
         for c in result.configs
     ]
@@ -220,7 +221,8 @@ def comm_rows(configs: Sequence[ConfigSummary], models: Sequence[CommModel | Non
     rows = []
     for c, m in zip(configs, models, strict=True):
         if m is None:
-            rows.append([c.spec.row_label, str(c.spec.accum_steps), "-", "-", "-", "-", "-", "-"])
+            k = "-" if c.spec.max_tokens is not None else str(c.spec.accum_steps)
+            rows.append([c.spec.row_label, k, "-", "-", "-", "-", "-", "-"])
             continue
         matches = m.matches
         rows.append(

@@ -91,10 +91,22 @@ class MeasureSpec:
     scaling: Scaling = "pre"
     """The accumulator's ``AccumConfig.scaling``: ``pre`` (count the window, then backpropagate
     each micro-batch times W/N) or ``post`` (stream it, scale the gradients once after it)."""
+    max_tokens: int | None = None
+    """A token-budget arm: each update's global batch cut by :func:`gradaccum.split_by_tokens`
+    into micro-batches of at most this many tokens, balanced across the ranks, instead of
+    ``micro_batch`` rows each (``micro_batch`` is then the rows per rank, ``accum_steps`` 1).
+    ``None``: fixed micro-batches."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "dp"):
             _positive(name, getattr(self, name))
+        if self.max_tokens is not None:
+            _positive("max_tokens", self.max_tokens)
+            if self.accum_steps != 1:
+                raise BenchError(
+                    f"a token-budget arm holds the global batch as rows per rank in one window "
+                    f"(accum_steps 1), got accum_steps={self.accum_steps}"
+                )
         _check_run_settings(self)
         if not isinstance(self.workload, str) or ":" not in self.workload:
             raise BenchError(f"workload must be MODULE:FUNCTION, got {self.workload!r}")
@@ -117,8 +129,9 @@ class MeasureSpec:
 
     @property
     def label(self) -> str:
-        """``MICROxACCUM`` (``MICROxDPxACCUM`` under data parallelism), as the CLI writes plans."""
-        return self.plan.label()
+        """``MICROxACCUM`` (``MICROxDPxACCUM`` under data parallelism), as the CLI writes plans;
+        ``tokens<=N`` for a token-budget arm."""
+        return self.plan.label() if self.max_tokens is None else f"tokens<={self.max_tokens}"
 
     @property
     def sharding(self) -> str:
@@ -215,9 +228,12 @@ class MeasureSettings:
         if not isinstance(self.compile, bool):
             raise BenchError(f"compile must be True or False, got {self.compile!r}")
 
-    def measure_spec(self, workload: str, plan: BatchPlan, *, scaling: Scaling = "pre") -> MeasureSpec:
+    def measure_spec(
+        self, workload: str, plan: BatchPlan, *, scaling: Scaling = "pre", max_tokens: int | None = None
+    ) -> MeasureSpec:
         """One run's configuration: ``plan`` of ``workload`` measured with these settings, its
-        accumulator scaling the gradients as ``scaling`` says."""
+        accumulator scaling the gradients as ``scaling`` says (``max_tokens``: a token-budget arm,
+        ``plan`` one window of the rows per rank)."""
         return MeasureSpec(
             workload=workload,
             micro_batch=plan.micro_batch,
@@ -234,6 +250,7 @@ class MeasureSettings:
             max_grad_norm=self.max_grad_norm,
             compile=self.compile,
             scaling=scaling,
+            max_tokens=max_tokens,
         )
 
     def to_dict(self) -> dict[str, Any]:

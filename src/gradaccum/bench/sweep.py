@@ -75,6 +75,11 @@ class SweepSpec:
     """Sharding to measure each configuration with (:data:`SHARDING`; ``fsdp2`` needs dp > 1)."""
     compile: tuple[bool, ...] = (False,)
     """Eager (False) and/or compiled (True) models: ``bench --compile`` measures both."""
+    max_tokens: tuple[int, ...] = ()
+    """Token-budget arms beside the fixed configurations, at the same global batch: each update's
+    global batch cut by :func:`gradaccum.split_by_tokens` within each budget (``bench
+    --max-tokens``). They are measured like the others but left out of the memory model (which is
+    a line in the micro-batch) and of the advice."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("checkpointing", CHECKPOINTING), ("sharding", SHARDING)):
@@ -88,6 +93,15 @@ class SweepSpec:
         if "fsdp2" in self.sharding and self.dp < 2:
             raise BenchError(
                 "--sharding fsdp2 needs data parallelism (--dp 2 or more): on one rank nothing is sharded"
+            )
+        if len(set(self.max_tokens)) != len(self.max_tokens) or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.max_tokens
+        ):
+            raise BenchError(f"max_tokens must list positive budgets once each, got {list(self.max_tokens)}")
+        if self.max_tokens and self.global_batch % self.dp:
+            raise BenchError(
+                f"a token-budget arm holds global batch {self.global_batch} as rows per rank: it must be a "
+                f"multiple of dp={self.dp}"
             )
         if self.plans is not None and len(set(self.plans)) != len(self.plans):
             labels = [p.label() for p in self.plans]
@@ -103,9 +117,11 @@ class SweepSpec:
         """Every row: each plan (largest micro-batch first) x sharding x checkpointing x compile,
         and for FSDP2 rows sync deferral on and off."""
         plans = self.plans if self.plans else tuple(factorizations(self.global_batch, dp=self.dp))
+        window = BatchPlan(micro_batch=self.global_batch // self.dp, accum_steps=1, dp=self.dp)
+        arms = [(plan, None) for plan in plans] + [(window, n) for n in self.max_tokens]
         specs = []
-        for plan in plans:
-            base = self.settings.measure_spec(self.workload, plan)
+        for plan, budget in arms:
+            base = self.settings.measure_spec(self.workload, plan, max_tokens=budget)
             for sharding in self.sharding:
                 fsdp = sharding == "fsdp2"
                 for mode in self.checkpointing:
@@ -130,6 +146,7 @@ class SweepSpec:
             "checkpointing": list(self.checkpointing),
             "sharding": list(self.sharding),
             "compile": list(self.compile),
+            "max_tokens": list(self.max_tokens),
         }
 
 
@@ -194,7 +211,8 @@ class SweepResult:
             "memory_model": None if mm is None else asdict(mm),
             "memory_model_note": self.memory_model_note,
             "memory_predictions_bytes": [
-                None if mm is None else mm.predict(c.spec.micro_batch) for c in self.configs
+                None if mm is None or c.spec.max_tokens is not None else mm.predict(c.spec.micro_batch)
+                for c in self.configs
             ],
             "comm_model": [None if c is None else {**asdict(c), "matches": c.matches} for c in self.comm],
             "memory_budget_bytes": self.spec.memory_budget_bytes,
@@ -254,6 +272,8 @@ def _memory(configs: Sequence[ConfigSummary]) -> tuple[MemoryModel | None, str |
 def comm_of(c: ConfigSummary) -> CommModel | None:
     """k x G against 1 x G: DDP's G is the gradient set, FSDP2's the padded set it reduce-scatters
     per synchronizing backward, measured (each parameter's dim 0 is padded to a multiple of dp)."""
+    if c.spec.max_tokens is not None and not c.spec.defer_sync:
+        return None  # k varies per update: the model of k syncs does not apply
     if c.spec.fsdp:
         if c.reduce_scatter_bytes_per_sync is None:
             return None
@@ -337,7 +357,8 @@ def run_sweep(
         fitting = next((p for p in feasible if largest is None or p.micro_batch <= largest), None)
     advice = card = None
     if spec.memory_budget_bytes is not None:
-        rows = [row for row in map(Row.of, configs) if row is not None]
+        fixed = [c for c in configs if c.spec.max_tokens is None]  # a card records a fixed plan
+        rows = [row for row in map(Row.of, fixed) if row is not None]
         advice = advise(rows, spec.memory_budget_bytes, global_batch=spec.global_batch)
         card = advised_runcard(spec, advice, configs, environment or {})
     return SweepResult(

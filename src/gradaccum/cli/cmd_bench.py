@@ -58,6 +58,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated configurations to measure (default: every factorization of the global batch)",
     )
     p.add_argument(
+        "--max-tokens",
+        default=None,
+        metavar="N,...",
+        help="comma-separated token budgets: measure each as one more row at the same global batch, "
+        "its micro-batches cut by gradaccum.split_by_tokens (sorted by length, at most N tokens each, "
+        "balanced across ranks) beside the fixed ones; a budget of micro-batch x the longest row bounds "
+        "activations as that micro-batch does (default: none)",
+    )
+    p.add_argument(
         "--memory-budget",
         default=None,
         metavar="SIZE",
@@ -132,9 +141,8 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     # (or a plan that cannot fit) into exit 2 naming the problem, before any worker is spawned
     beat.stage("loading the workload and estimating its memory")
     workload = load_workload(spec.workload)
-    refuse_what_cannot_fit(
-        workload, [s.plan for s in spec.measure_specs()], spec.settings.precision, device, check=False
-    )
+    fixed = [s.plan for s in spec.measure_specs() if s.max_tokens is None]
+    refuse_what_cannot_fit(workload, fixed, spec.settings.precision, device, check=False)
     check = None
     if "full" in spec.checkpointing:
         checkpoint_blocks(workload, workload.build_model())  # no blocks to checkpoint: exit 2 now
@@ -186,7 +194,18 @@ def _sweep_spec(args: argparse.Namespace, dp: int, device: str) -> SweepSpec:
         checkpointing=_modes(args.checkpointing),
         sharding=_modes(args.sharding),
         compile=(False, True) if args.compile else (False,),
+        max_tokens=_budgets(args.max_tokens),
     )
+
+
+def _budgets(text: str | None) -> tuple[int, ...]:
+    """``--max-tokens 256,512`` as budgets; a word that is not a positive whole number exits 2."""
+    if text is None:
+        return ()
+    words = [t.strip() for t in text.split(",") if t.strip()]
+    if not words or not all(w.isdigit() and int(w) > 0 for w in words):
+        raise PlanError(f"--max-tokens {text!r}: give positive token budgets, e.g. --max-tokens 256,512")
+    return tuple(int(w) for w in words)
 
 
 def _render(result: SweepResult, device: str, folder: Path) -> None:
