@@ -18,6 +18,7 @@ micro-batches (by weight), one in each set, so every merge keeps the sets' sizes
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -156,8 +157,15 @@ BALANCE_TOLERANCE = 0.02
 micro-batch on balance: the slowest rank then waits about 2 % longer than the mean one."""
 
 
-def _longest(rows: Sequence[int], lengths: Sequence[int], without: int = -1, extra: int = -1) -> int:
-    return max((lengths[i] for i in (*rows, extra) if i >= 0 and i != without), default=0)
+def _top(rows: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, int]:
+    """(longest length, its row, the next longest length) of a micro-batch."""
+    first, second, row = 0, 0, -1
+    for i in rows:
+        if lengths[i] > first:
+            first, second, row = lengths[i], first, i
+        elif lengths[i] > second:
+            second = lengths[i]
+    return first, row, second
 
 
 def _rebalance(
@@ -169,12 +177,10 @@ def _rebalance(
     Of the moves that fit the budget and narrow the gap, the one that adds the fewest computed
     tokens (padding) is taken, then the one that narrows it most: rows go where a micro-batch has
     room for them, which is why a plan with a micro-batch more than the fewest balances better.
+    A swap of row a for row b is sought among the few rows of the light micro-batch whose valid
+    tokens lie nearest ``valid[a] - gap / 2`` (the swap that would close the gap), so a pass costs
+    rows x log(rows) per pair of micro-batches, not rows squared.
     """
-
-    def cost(rows: Sequence[int], without: int = -1, extra: int = -1) -> int:
-        n = len(rows) - (without >= 0) + (extra >= 0)
-        return n * _longest(rows, lengths, without, extra)
-
     for _ in range(4 * len(lengths)):  # each move narrows the gap; this only bounds the work
         totals = [sum(valid[i] for mb in rank for i in mb) for rank in ranks]
         mean = sum(totals) / len(totals)
@@ -183,23 +189,29 @@ def _rebalance(
         heavy = max(range(len(ranks)), key=lambda r: (totals[r], -r))
         light = min(range(len(ranks)), key=lambda r: (totals[r], r))
         gap = totals[heavy] - totals[light]
+        lights = []
+        for rows_y in ranks[light]:
+            by_valid = sorted(rows_y, key=lambda i: (valid[i], i))
+            lights.append((rows_y, _top(rows_y, lengths), by_valid, [valid[i] for i in by_valid]))
         best: tuple[int, float, int, int, int, int] | None = None
         for x, rows_x in enumerate(ranks[heavy]):
-            before_x = cost(rows_x)
-            for y, rows_y in enumerate(ranks[light]):
-                before = before_x + cost(rows_y)
+            top_x, n_x = _top(rows_x, lengths), len(rows_x)
+            for y, (rows_y, top_y, by_valid, keys) in enumerate(lights):
+                n_y = len(rows_y)
+                before = n_x * top_x[0] + n_y * top_y[0]
                 for a in rows_x:
-                    moves = (
-                        [-1] + [b for b in rows_y if valid[b] < valid[a]]
-                        if len(rows_x) > 1
-                        else [b for b in rows_y if valid[b] < valid[a]]
-                    )
-                    for b in moves:
+                    rest_x = top_x[2] if a == top_x[1] else top_x[0]
+                    candidates = []
+                    if n_x > 1:  # a moves alone
+                        candidates.append((-1, (n_x - 1) * rest_x, (n_y + 1) * max(top_y[0], lengths[a])))
+                    near = bisect.bisect_left(keys, valid[a] - gap / 2)
+                    for b in by_valid[max(0, near - 2) : near + 2]:  # a swaps with b
+                        rest_y = top_y[2] if b == top_y[1] else top_y[0]
+                        after_x = n_x * max(rest_x, lengths[b])
+                        candidates.append((b, after_x, n_y * max(rest_y, lengths[a])))
+                    for b, after_x, after_y in candidates:
                         narrowed = abs(gap - 2 * (valid[a] - (valid[b] if b >= 0 else 0)))
-                        if narrowed >= gap:
-                            continue
-                        after_x, after_y = cost(rows_x, a, b), cost(rows_y, b, a)
-                        if after_x > max_tokens or after_y > max_tokens:
+                        if narrowed >= gap or after_x > max_tokens or after_y > max_tokens:
                             continue
                         key = (after_x + after_y - before, narrowed, x, y, a, b)
                         if best is None or key < best:
