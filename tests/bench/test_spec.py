@@ -30,6 +30,7 @@ ACCEPT_KEYS = [
     "quality_steps", "quality_seeds", "quality_eval_examples",  # issue 15: appended
     "compile",  # issue 23: appended
     "baseline_scaling", "candidate_scaling",  # issue 22: appended (each arm's AccumConfig.scaling)
+    "candidate_max_tokens",  # issue 34: appended (a token-budget candidate)
 ]  # fmt: skip
 SETTINGS = MeasureSettings(
     runs=4, steps=20, warmup=2, precision="float64", defer_sync=False, threads=2, bucket_cap_mb=5.0, seed=9

@@ -160,10 +160,11 @@ def make_runcard(
         git_commit=environment.get("git_commit"),
         verdict=verdict.decision,
         compile=settings.compile,
+        max_tokens=chosen.spec.max_tokens,
         extra={
             "chosen": "candidate" if verdict.adopt else "baseline",
             "baseline": spec.baseline.label(),
-            "candidate": spec.candidate.label(),
+            "candidate": spec.label_of("candidate"),
             "margin": spec.margin,
             "throughput_gain": verdict.throughput_gain,
             "gain_interval": None if verdict.interval is None else list(verdict.interval),
@@ -229,7 +230,9 @@ def run_accept(
         on_stage("measure")
     probes = [
         spec.memory_spec(spec.baseline, scaling=spec.baseline_scaling),
-        spec.memory_spec(spec.candidate, scaling=spec.candidate_scaling),
+        spec.memory_spec(
+            spec.candidate, scaling=spec.candidate_scaling, max_tokens=spec.candidate_max_tokens
+        ),
     ]
     paired = spec.paired_spec()
     jobs: list[tuple[Any, int]] = [(probes[0], 0), (probes[1], 0)]

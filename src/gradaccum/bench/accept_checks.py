@@ -8,13 +8,15 @@ from typing import Any
 
 import torch
 
+from gradaccum.batch import select
 from gradaccum.bench.accept_spec import AcceptSpec, Arm
 from gradaccum.bench.verdict import ParamCheck, TraceCheck
 from gradaccum.check.workload import Workload
 from gradaccum.plan import BatchPlan
 from gradaccum.precision import dtype_of
+from gradaccum.tokens.split import plan_batch
 
-__all__ = ["Equivalence", "check_equivalence", "partition"]
+__all__ = ["Equivalence", "check_equivalence", "partition", "token_partition"]
 
 
 def partition(plan: BatchPlan) -> list[int]:
@@ -24,6 +26,20 @@ def partition(plan: BatchPlan) -> list[int]:
     process accumulating all ``dp x accum_steps`` micro-batches, which is what the check runs.
     """
     return [plan.micro_batch] * (plan.accum_steps * plan.dp)
+
+
+def token_partition(batch: Any, max_tokens: int, dp: int) -> tuple[Any, list[int]]:
+    """A token budget's micro-batches as one process sees them: the batch's rows in the order of
+    every rank's micro-batches (:func:`gradaccum.split_by_tokens`), and their sizes.
+
+    The full-batch update does not depend on the order of rows, so the check cuts this reordered
+    batch by these sizes; each micro-batch is left at the batch's length (trimming only removes
+    padding, which :mod:`gradaccum.check.traces` steps as trimmed).
+    """
+    plan = plan_batch(batch, max_tokens, world=dp)
+    groups = [rows for rank in plan.ranks for rows in rank]
+    order = torch.tensor([i for rows in groups for i in rows], dtype=torch.long)
+    return select(batch, order), [len(rows) for rows in groups]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,12 +84,14 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
     arms: tuple[Arm, Arm] = ("baseline", "candidate")
     for name in arms:
         plan = spec.plan_of(name)
+        budget = spec.max_tokens_of(name)
+        rows, sizes = (batch, partition(plan)) if budget is None else token_partition(batch, budget, plan.dp)
         report = verify(
             workload.build_model,
-            batch,
+            rows,
             workload.loss_fn,
             workload.count_fn,
-            sizes=partition(plan),
+            sizes=sizes,
             optimizer_factory=workload.optimizer_factory,
             dtype=torch.float64,
             device=spec.settings.device,
@@ -105,6 +123,8 @@ def check_equivalence(spec: AcceptSpec, workload: Workload) -> Equivalence:
         device=spec.settings.device,
         accum=spec.accum_of("baseline"),
         candidate_accum=spec.accum_of("candidate"),
+        candidate_max_tokens=spec.candidate_max_tokens,
+        candidate_world=spec.candidate.dp,
     )
     details["trace"] = _plain(trace)
     return Equivalence(

@@ -75,6 +75,11 @@ class AcceptSpec:
     """The baseline's ``AccumConfig.scaling``: ``pre`` or ``post`` (see :mod:`gradaccum.step.stream`)."""
     candidate_scaling: Scaling = "pre"
     """The candidate's: ``post`` against a ``pre`` baseline at the same plan compares the two modes."""
+    candidate_max_tokens: int | None = None
+    """A token-budget candidate: each update's global batch cut by :func:`gradaccum.split_by_tokens`
+    into micro-batches of at most this many tokens, balanced across the ranks; ``candidate`` is
+    then one window of the global batch's rows per rank (``global_batch/dp x 1``). ``None``: the
+    candidate's fixed micro-batches."""
 
     def __post_init__(self) -> None:
         b, c = self.baseline, self.candidate
@@ -126,6 +131,18 @@ class AcceptSpec:
                 "micro-batch only (a rank does not know its window's length before it); measuring it "
                 "without deferred sync cannot run. Keep sync deferred, or compare 'pre' arms."
             )
+        if self.candidate_max_tokens is not None:
+            require_int("candidate_max_tokens", self.candidate_max_tokens, error=BenchError)
+            if c.accum_steps != 1:
+                raise BenchError(
+                    f"a token-budget candidate holds the global batch as one window of rows per rank "
+                    f"({c.global_batch // c.dp}x1), got {c.label()}"
+                )
+            if self.quality_steps is not None:
+                raise BenchError(
+                    "--quality-steps does not train a token-budget candidate yet; its update is the "
+                    "baseline's by construction (the float64 check shows it): leave --quality-steps out"
+                )
         _ = self.accum  # a malformed skip limit is refused now
         _ = self.quality_spec()  # and so is a quality run that cannot be set up
         self.measure_spec(self.baseline)  # a malformed workload is refused now, not after the checks
@@ -141,10 +158,15 @@ class AcceptSpec:
     def scaling_of(self, arm: Arm) -> Scaling:
         return self.baseline_scaling if arm == "baseline" else self.candidate_scaling
 
+    def max_tokens_of(self, arm: Arm) -> int | None:
+        """The arm's token budget (``None``: fixed micro-batches)."""
+        return self.candidate_max_tokens if arm == "candidate" else None
+
     def label_of(self, arm: Arm) -> str:
         """The arm's plan (``4x8``), with its scaling once either arm post-scales (``4x8 post``),
         so that a comparison of the two modes at one plan names its arms apart."""
-        label = self.plan_of(arm).label()
+        budget = self.max_tokens_of(arm)
+        label = self.plan_of(arm).label() if budget is None else f"tokens<={budget}"
         return f"{label} {self.scaling_of(arm)}" if "post" in self.scalings else label
 
     def accum_of(self, arm: Arm) -> AccumConfig:
@@ -153,7 +175,9 @@ class AcceptSpec:
 
     def arm_spec(self, arm: Arm) -> MeasureSpec:
         """One arm measured with these settings and its own scaling."""
-        return self.measure_spec(self.plan_of(arm), scaling=self.scaling_of(arm))
+        return self.measure_spec(
+            self.plan_of(arm), scaling=self.scaling_of(arm), max_tokens=self.max_tokens_of(arm)
+        )
 
     @property
     def blocks(self) -> int:
@@ -198,14 +222,20 @@ class AcceptSpec:
             block_updates=self.block_updates,
         )
 
-    def memory_spec(self, plan: BatchPlan, *, scaling: Scaling = "pre") -> MeasureSpec:
+    def memory_spec(
+        self, plan: BatchPlan, *, scaling: Scaling = "pre", max_tokens: int | None = None
+    ) -> MeasureSpec:
         """A short single-configuration run in a fresh process, for its memory figures."""
         return dataclasses.replace(
-            self.measure_spec(plan, scaling=scaling), steps=MEMORY_PROBE_UPDATES, warmup=1
+            self.measure_spec(plan, scaling=scaling, max_tokens=max_tokens),
+            steps=MEMORY_PROBE_UPDATES,
+            warmup=1,
         )
 
-    def measure_spec(self, plan: BatchPlan, *, scaling: Scaling = "pre") -> MeasureSpec:
-        return self.settings.measure_spec(self.workload, plan, scaling=scaling)
+    def measure_spec(
+        self, plan: BatchPlan, *, scaling: Scaling = "pre", max_tokens: int | None = None
+    ) -> MeasureSpec:
+        return self.settings.measure_spec(self.workload, plan, scaling=scaling, max_tokens=max_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, as results.json has always had it: the settings sit beside the comparison's fields."""
@@ -231,4 +261,5 @@ class AcceptSpec:
         data["compile"] = self.settings.compile
         data["baseline_scaling"] = self.baseline_scaling  # appended (issue 22), the earlier keys unchanged
         data["candidate_scaling"] = self.candidate_scaling
+        data["candidate_max_tokens"] = self.candidate_max_tokens  # appended (issue 34)
         return data

@@ -419,6 +419,8 @@ def verdict_lines(result: AcceptResult) -> list[str]:
     v, spec = result.verdict, result.spec
     chosen = result.card.plan
     scaling = f", scaling {result.card.accum.scaling}" if "post" in spec.scalings else ""
+    if result.card.max_tokens is not None:  # a token-budget candidate: the plan is the whole window
+        scaling += f", micro-batches of at most max_tokens {result.card.max_tokens} tokens"
     lines = [f"{v.decision}: the run card records {chosen.label()} ({chosen.equation()}){scaling}."]
     if v.interval is not None and v.throughput_gain is not None:
         runs = len(v.run_ratios)
@@ -493,6 +495,12 @@ def quality_lines(result: AcceptResult) -> list[str]:
             "Short equivalence checks cannot guarantee final convergence; a change of physical "
             "micro-batch or of randomness still needs a representative quality run."
         )
+    if quality is None and spec.candidate_max_tokens is not None:
+        lines.append(
+            "No quality run is offered for a token-budget candidate: it regroups the same rows, and "
+            "the float64 check above shows its update is the baseline's."
+        )
+        return lines
     if quality is None:
         ask = "**A representative quality run is needed**" if reasons else "To run one"
         scalings = "".join(

@@ -10,13 +10,14 @@ and compounds through the updates, so the tolerance is declared per dtype for a 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from gradaccum.batch import cast, split, split_sizes
+from gradaccum.batch import batch_size, cast, split, split_sizes
 from gradaccum.check.controls import randomness_off
 from gradaccum.check.report import TraceReport
 from gradaccum.check.tolerances import MAX_TRACE_STEPS, TRACE_TOLERANCES
@@ -34,11 +35,32 @@ class _Trace:
         self.loss: list[float] = []
         self.grad_norm: list[float] = []
         self.skipped: list[str] = []
+        self.first_sizes: list[int] = []  # the first step's (a token budget's vary by step)
+
+
+Cut = Callable[[Any], list[Any]]
+"""How one step's batch becomes the window of micro-batches a side steps."""
+
+
+def _by_sizes(sizes: list[int]) -> Cut:
+    return lambda batch: split(batch, sizes=sizes)
+
+
+def _by_tokens(max_tokens: int, world: int) -> Cut:
+    from gradaccum.tokens.split import split_by_tokens
+
+    def cut(batch: Any) -> list[Any]:
+        return [
+            mb for rank in range(world) for mb in split_by_tokens(batch, max_tokens, rank=rank, world=world)
+        ]
+
+    return cut
 
 
 def _run(
     workload: Workload,
-    sizes: list[int],
+    cut: Cut,
+    total: int,
     steps: int,
     dtype: torch.dtype,
     where: torch.device,
@@ -56,15 +78,18 @@ def _run(
     optimizer = workload.optimizer_factory(model.parameters())
     acc = Accumulator(model, optimizer, config=replace(accum, track_grad_norm=True))
     trace = _Trace()
-    total = sum(sizes)
     with randomness_off(model):
         for step in range(steps):
             batch = cast(workload.make_batch(total, seed + step), dtype, where)
             torch.manual_seed(seed + step)  # any randomness left draws the same on both sides
-            result = acc.step(split(batch, sizes=sizes), workload.loss_fn, workload.count_fn)
+            window = cut(batch)
+            if step == 0:
+                trace.first_sizes = [batch_size(mb) for mb in window]
+            result = acc.step(window, workload.loss_fn, workload.count_fn)
             trace.loss.append(math.nan if result.loss is None or not result.applied else result.loss)
             trace.grad_norm.append(math.nan if result.grad_norm is None else result.grad_norm)
             if not result.applied:
+                sizes = [batch_size(mb) for mb in window]
                 trace.skipped.append(f"step {step} of {sizes}: {result.skip_reason}")
     return trace
 
@@ -92,6 +117,8 @@ def compare_traces(
     device: torch.device | str = "cpu",
     accum: AccumConfig | None = None,
     candidate_accum: AccumConfig | None = None,
+    candidate_max_tokens: int | None = None,
+    candidate_world: int = 1,
 ) -> TraceReport:
     """Run ``steps`` optimizer steps of both partitionings and compare their loss and norm traces.
 
@@ -101,6 +128,10 @@ def compare_traces(
     production ones: clipping, skip policy); the gradient norm is always tracked.
     ``candidate_accum``: the candidate's settings where they differ from the baseline's (e.g.
     ``scaling="post"`` against ``"pre"``); ``None``: the same as ``accum``.
+    ``candidate_max_tokens``: the candidate cuts each step's batch by this token budget instead
+    (:func:`gradaccum.split_by_tokens`, every one of ``candidate_world`` ranks' micro-batches, in
+    rank order, accumulated here on one process, as the exact step makes them add up under DDP);
+    ``candidate_sizes`` then only says how many examples a step draws.
     """
     if not isinstance(workload, Workload):
         raise WorkloadError(f"compare_traces needs a gradaccum.Workload, got {type(workload).__name__}")
@@ -122,8 +153,15 @@ def compare_traces(
     where = torch.device(device)
     tol = TRACE_TOLERANCES[dtype]
     with torch.random.fork_rng(devices=[where.index or 0] if where.type == "cuda" else []):
-        a = _run(workload, base, steps, dtype, where, seed, accum or AccumConfig())
-        b = _run(workload, cand, steps, dtype, where, seed, candidate_accum or accum or AccumConfig())
+        a = _run(workload, _by_sizes(base), sum(base), steps, dtype, where, seed, accum or AccumConfig())
+        cut = (
+            _by_sizes(cand)
+            if candidate_max_tokens is None
+            else _by_tokens(candidate_max_tokens, candidate_world)
+        )
+        b = _run(
+            workload, cut, sum(cand), steps, dtype, where, seed, candidate_accum or accum or AccumConfig()
+        )
     loss_diff = _max_rel_diff(a.loss, b.loss)
     norm_diff = _max_rel_diff(a.grad_norm, b.grad_norm)
     same_skips = [math.isnan(x) for x in a.loss] == [math.isnan(x) for x in b.loss]
@@ -132,7 +170,7 @@ def compare_traces(
         steps=steps,
         dtype=dtype_name(dtype),
         baseline_sizes=tuple(base),
-        candidate_sizes=tuple(cand),
+        candidate_sizes=tuple(cand if candidate_max_tokens is None else b.first_sizes),
         baseline_loss=tuple(a.loss),
         candidate_loss=tuple(b.loss),
         baseline_grad_norm=tuple(a.grad_norm),

@@ -41,7 +41,8 @@ from gradaccum.cli.common import (
     workload_spec,
 )
 from gradaccum.cli.heartbeat import Heartbeat, progress_stage
-from gradaccum.errors import BenchError
+from gradaccum.errors import BenchError, PlanError
+from gradaccum.plan import BatchPlan
 from gradaccum.step.config import SCALINGS
 
 if TYPE_CHECKING:  # --help imports no torch
@@ -83,9 +84,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--candidate",
-        default=DEFAULT_CANDIDATE,
+        default=None,
         help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same plan and scaling as the baseline "
         "checks the noise",
+    )
+    p.add_argument(
+        "--candidate-max-tokens",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="instead of --candidate: micro-batches by a token budget of N (gradaccum.split_by_tokens: "
+        "sorted by length, at most N tokens each, balanced across ranks) at the baseline's global batch; "
+        "N = the baseline's micro-batch x the longest row bounds the same activations (default: none)",
     )
     scaling = (
         "gradient scaling: pre (count the window before its first backward) or post (stream it, scale "
@@ -185,7 +195,9 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     settings = spec.settings
     beat.stage("loading the workload and estimating its memory")
     workload = load_workload(spec.workload)
-    refuse_what_cannot_fit(workload, [spec.baseline, spec.candidate], settings.precision, device, check=True)
+    # a token-budget candidate's plan is the whole window: the budget, not it, bounds the activations
+    fixed = [spec.baseline] + ([spec.candidate] if spec.candidate_max_tokens is None else [])
+    refuse_what_cannot_fit(workload, fixed, settings.precision, device, check=True)
     # the checks run in this process before any process group exists (under torchrun too)
     status = "float64 equivalence of both partitionings, then production-precision traces"
     beat.stage(status)
@@ -223,6 +235,20 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     return code
 
 
+def _candidate(args: argparse.Namespace, dp: int) -> BatchPlan:
+    """The candidate's plan: --candidate, or with --candidate-max-tokens one window of the
+    baseline's global batch as rows per rank."""
+    if args.candidate_max_tokens is None:
+        return parse_plan(args.candidate or DEFAULT_CANDIDATE, dp)
+    if args.candidate is not None:
+        raise PlanError(
+            f"--candidate {args.candidate} and --candidate-max-tokens {args.candidate_max_tokens} each name "
+            "the candidate: give one of them"
+        )
+    baseline = parse_plan(args.baseline, dp)
+    return BatchPlan(micro_batch=baseline.global_batch // dp, accum_steps=1, dp=dp)
+
+
 def _accept_spec(args: argparse.Namespace, dp: int, device: str) -> AcceptSpec:
     """The protocol the flags describe; refuses mismatched global batches and too-short runs
     before anything runs."""
@@ -232,7 +258,7 @@ def _accept_spec(args: argparse.Namespace, dp: int, device: str) -> AcceptSpec:
     spec = AcceptSpec(
         workload=workload_spec(args),
         baseline=parse_plan(args.baseline, dp),
-        candidate=parse_plan(args.candidate, dp),
+        candidate=_candidate(args, dp),
         margin=args.margin,
         trace_steps=args.trace_steps,
         settings=settings,
@@ -244,6 +270,7 @@ def _accept_spec(args: argparse.Namespace, dp: int, device: str) -> AcceptSpec:
         quality_eval_examples=args.quality_eval_examples,
         baseline_scaling=args.baseline_scaling,
         candidate_scaling=args.candidate_scaling,
+        candidate_max_tokens=args.candidate_max_tokens,
     )
     if spec.settings.runs < 3:
         raise BenchError(f"--runs must be at least 3 (the protocol's minimum), got {spec.settings.runs}")
@@ -271,6 +298,13 @@ def _with_quality_run(result: AcceptResult, workload: Any, folder: Path, beat: H
     return with_quality(result, quality)
 
 
+def _candidate_equation(spec: AcceptSpec) -> str:
+    c, budget = spec.candidate, spec.candidate_max_tokens
+    if budget is None:
+        return c.equation()
+    return f"{c.global_batch} rows over dp {c.dp} in micro-batches of at most {budget} tokens"
+
+
 def _render(result: AcceptResult, device: str, folder: Path) -> None:
     """The measurements, the criteria and the verdict, on the console."""
     from gradaccum.bench.report import (
@@ -284,12 +318,13 @@ def _render(result: AcceptResult, device: str, folder: Path) -> None:
     )
 
     spec, settings, verdict = result.spec, result.spec.settings, result.verdict
-    b, c = spec.baseline, spec.candidate
+    b = spec.baseline
     clip = "off" if settings.max_grad_norm is None else f"{settings.max_grad_norm:g}"
     console.print(
         f"baseline {spec.label_of('baseline')} vs candidate {spec.label_of('candidate')} on "
         f"{escape(spec.workload)}: global batch "
-        f"{b.global_batch} ({b.equation()}; {c.equation()}); precision {settings.precision}; clipping at "
+        f"{b.global_batch} ({b.equation()}; {_candidate_equation(spec)}); precision {settings.precision}; "
+        "clipping at "
         f"{clip}; device {device}; torch threads per worker: {settings.threads or 'default'}"
     )
     console.print(
