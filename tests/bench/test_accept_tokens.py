@@ -126,3 +126,18 @@ def test_a_token_budget_candidate_is_refused_where_it_cannot_run() -> None:
 def test_the_command_refuses_both_candidates(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["accept", "--candidate", "2x8", "--candidate-max-tokens", "128"]) == 2
     assert "give one of them" in capsys.readouterr().err
+
+
+def test_the_command_runs_a_token_budget_candidate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradaccum.cli import cmd_accept
+    from tests.cli.test_accept_cli import FAST, in_process_launching
+
+    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
+    args = ["accept", "--baseline", "4x4", "--candidate-max-tokens", str(BUDGET), "--margin", "1000000"]
+    assert main([*args, "--out-dir", str(tmp_path), *FAST]) == 0  # no gain of 10^6: KEEP BASELINE
+    out = capsys.readouterr().out
+    assert f"baseline 4x4 vs candidate tokens<={BUDGET} on" in out
+    assert f"16 rows over dp 1 in micro-batches of at most {BUDGET} tokens" in out
+    assert "KEEP BASELINE" in out
