@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from gradaccum.errors import PlanError
 from gradaccum.fielddocs import document_fields
@@ -264,6 +264,26 @@ def compare_plans(
     return PlanComparison(rows=tuple(rows), seq_len=seq_len, dataset_size=dataset_size)
 
 
+@overload
+def windows(
+    micro_batches: Iterable[T],
+    accum_steps: int,
+    *,
+    pad_to_multiple: int | None = None,
+    pad_values: Mapping[str | int, float] | None = None,
+) -> Iterator[list[T]]: ...
+@overload
+def windows(
+    micro_batches: Iterable[Any],
+    accum_steps: None = None,
+    *,
+    max_tokens: int,
+    global_batch: int,
+    rank: int = 0,
+    world: int = 1,
+    equal_count: bool = False,
+    layout: Literal["padded", "packed"] = "padded",
+) -> Iterator[list[Any]]: ...
 def windows(
     micro_batches: Iterable[T],
     accum_steps: int | None = None,

@@ -149,7 +149,8 @@ class ShardedStream:
             )
         global_count = int(torch.as_tensor(self.count_fn(full)))
         if self.max_tokens is not None:
-            return Window(index=index, micro_batches=self._by_tokens(full, index), global_count=global_count)
+            parts = self._by_tokens(full, index, self.max_tokens)
+            return Window(index=index, micro_batches=parts, global_count=global_count)
         local = self._prepare(take(full, start, stop))
         return Window(
             index=index,
@@ -157,16 +158,15 @@ class ShardedStream:
             global_count=global_count,
         )
 
-    def _by_tokens(self, full: Batch, index: int) -> list[Batch]:
+    def _by_tokens(self, full: Batch, index: int, max_tokens: int) -> list[Batch]:
         """This rank's micro-batches of the global batch by the token budget (every rank cuts the
         same batch the same way, so the rows are dealt once, with no collective)."""
-        assert self.max_tokens is not None
         try:
             parts = split_by_tokens(
-                full, self.max_tokens, rank=self.rank, world=self.plan.dp, equal_count=self.equal_count
+                full, max_tokens, rank=self.rank, world=self.plan.dp, equal_count=self.equal_count
             )
         except PlanError as exc:
-            raise PlanError(f"--max-tokens {self.max_tokens} cannot cut window {index}: {exc}") from exc
+            raise PlanError(f"--max-tokens {max_tokens} cannot cut window {index}: {exc}") from exc
         return [self._prepare(part) for part in parts]
 
     def eval_batches(self, examples: int) -> list[Batch]:
