@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-LIBRARIES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric")
+LIBRARIES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric", "deepspeed")
 
 PROBE = f"""
 import json, sys
@@ -15,6 +15,7 @@ import gradaccum, gradaccum.integrations
 gradaccum.Accumulator, gradaccum.guard, gradaccum.verify
 before = loaded()
 import gradaccum.integrations.accelerate  # its functions import accelerate when they run
+import gradaccum.integrations.deepspeed  # and this one deepspeed
 integration = loaded()
 import accelerate
 print(json.dumps([before, integration, loaded()]))

@@ -6,10 +6,13 @@
   what ``accelerator.prepare`` returns (``gradaccum[accelerate]``);
 * :mod:`gradaccum.integrations.lightning`: ``window_step`` for the Lightning ``Trainer`` (manual
   optimization over windows); Fabric's ``fabric.setup`` objects go straight into ``Accumulator``
-  (``gradaccum[lightning]``).
+  (``gradaccum[lightning]``);
+* :mod:`gradaccum.integrations.deepspeed`: ``prepare_accumulator(engine)`` drives a DeepSpeed engine
+  (ZeRO 0-3) through exact windows (``gradaccum[deepspeed]``).
 
 Importing this package imports none of those libraries: each submodule imports its own on import,
-except ``accelerate``, whose functions import it when they run (the step calls its scheduler check).
+except ``accelerate`` and ``deepspeed``, whose functions import them when they run (the step calls
+the scheduler check of the first).
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ from gradaccum.step.agreement import (
 from gradaccum.step.checks import as_count, check_window_shapes, sum_counts
 from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
+from gradaccum.step.external import ExternalStep
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.meetings import Meetings
 from gradaccum.step.noise import NoiseScale, noise_meter
@@ -125,13 +126,17 @@ class WindowEngine:
         backward: Backward | None = None,
         pipeline: bool = False,
         synced: nn.Module | None = None,
+        external: ExternalStep | None = None,
     ) -> None:
         """``mesh``/``mesh_dims``: the DeviceMesh the model was parallelized with (see
         :mod:`gradaccum.mesh`); ``pipeline``: a pipeline schedule runs the micro-batches, and
         every stage counts the same window (:class:`gradaccum.pipeline.PipelineAccumulator`);
         ``synced``: the module whose wrapper synchronizes gradients, when ``model`` is not it
-        (a pipeline's stage modules)."""
-        check_objects(model, optimizer, config, scheduler)
+        (a pipeline's stage modules); ``external``: an engine that reduces, checks, clips and
+        applies the gradients itself (DeepSpeed, :mod:`gradaccum.step.external`): its
+        ``optimizer`` need not be a ``torch.optim.Optimizer``, and conclude hands it the update."""
+        check_objects(model, optimizer, config, scheduler, external=external is not None)
+        self.external = external
         self.model = model
         self.optimizer = optimizer
         self.config = config
@@ -164,9 +169,12 @@ class WindowEngine:
         if self.layout is not None:
             self._distributed = dist.is_distributed()
         data_ranks = self.layout.data_size if self.layout else dist.world_size(dp_group)
-        refuse_unwrapped(model, self.kind, data_ranks)
         # the W of W/N, and the ranks that hold the same tokens (whose sums count each unit once)
-        self.factor = averaging_factor(self._synced, self.kind, data_ranks)
+        if external is None:
+            refuse_unwrapped(model, self.kind, data_ranks)
+            self.factor = averaging_factor(self._synced, self.kind, data_ranks)
+        else:  # the engine that reduces the gradients says what its reduction divides by
+            self.factor = external.factor
         self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
         self._policy = check_sync_policy(config, self.kind, self.layout)
         # the ranks' models must match, but a pipeline's stages hold different parts of it
@@ -467,7 +475,12 @@ class WindowEngine:
         rejection: Callable[[int], Exception] | None,
     ) -> StepResult:
         """The verdict from the figures every rank reads alike, then the update or the skip."""
-        norm, gradient = self.update.gradient_check(grads, noise=self._noise is not None)
+        # an external step that keeps its gradients out of p.grad checks them itself (only it can
+        # discard them): it skips a window whose gradient is not finite, in its apply() below
+        checks_here = self.external is None or self.external.holds_gradients
+        norm, gradient = (
+            self.update.gradient_check(grads, noise=self._noise is not None) if checks_here else (None, None)
+        )
         totals, norm = self.settler.settle(
             counted, accumulated, objective, gradient, norm, distributed=self._distributed
         )
@@ -485,13 +498,23 @@ class WindowEngine:
             return self.skip(local_n, 0, k, None, ZERO_COUNT)
         # a NaN or inf on any rank made the reduced loss or the global norm non-finite
         gradient_ok = math.isfinite(totals.gradient) and (norm is not None or totals.gradient == 0)
-        if self.config.skip_nonfinite and not (math.isfinite(totals.loss) and gradient_ok):
+        if checks_here and self.config.skip_nonfinite and not (math.isfinite(totals.loss) and gradient_ok):
             back_off_scaler(self.scaler, self.optimizer, params)
             what = f"gradient norm {totals.gradient}" if norm is not None else "a gradient holds NaN or inf"
             reason = f"non-finite loss or gradient (loss {totals.loss}, {what})"
             return self.skip(local_n, n_global, k, mean_loss, reason)
 
-        norm_host = self.update.apply(params, grads, norm, totals.gradient, self.dp_group)
+        if self.external is not None:
+            outcome = self.external.apply()
+            if not outcome.applied:
+                owner = type(self.external).__name__
+                reason = f"non-finite gradient (loss {totals.loss}): {owner} discarded it"
+                return self.skip(local_n, n_global, k, mean_loss, reason)
+            known = outcome.grad_norm is not None or norm is not None
+            norm_host = totals.gradient if outcome.grad_norm is None else outcome.grad_norm
+        else:
+            known = norm is not None
+            norm_host = self.update.apply(params, grads, norm, totals.gradient, self.dp_group)
         self.steps_applied += 1
         self.consecutive_skips = 0
         if self._noise is not None:
@@ -501,7 +524,7 @@ class WindowEngine:
             local_count=local_n,
             global_count=n_global,
             micro_batches=k,
-            grad_norm=norm_host if (norm is not None and self.config.wants_norm) else None,
+            grad_norm=norm_host if (known and self.config.wants_norm) else None,
             applied=True,
             step=self.steps_applied,
             recompiles=self._compiles.since(),

@@ -19,13 +19,15 @@ from gradaccum.step.config import AccumConfig
 __all__ = ["check_objects", "refuse_accelerated_scheduler", "refuse_static_graph", "refuse_unwrapped"]
 
 
-def check_objects(model: Any, optimizer: Any, config: Any, scheduler: Any) -> None:
-    """The types an engine needs, and no scheduler that would step too often."""
+def check_objects(model: Any, optimizer: Any, config: Any, scheduler: Any, *, external: bool = False) -> None:
+    """The types an engine needs, and no scheduler that would step too often. ``external``: an
+    external step (:mod:`gradaccum.step.external`) takes the update, so ``optimizer`` may be its
+    own (DeepSpeed's ZeRO optimizers are no ``torch.optim.Optimizer``)."""
     if not isinstance(config, AccumConfig):
         raise ConfigError(f"config must be a gradaccum.AccumConfig, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not external and not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     refuse_accelerated_scheduler(scheduler)
 
