@@ -215,3 +215,92 @@ def test_gradaccum_clipping_is_refused_naming_deepspeeds(ranks: list[dict[str, A
     for r in ranks:
         for s in r["stages"]:
             assert "gradient_clipping" in s["clip refusal"]
+
+
+# -- the Hugging Face Trainer with a DeepSpeed config ---------------------------------------------
+
+
+def _trainer_rank(rank: int, world: int, out: str) -> dict[str, Any]:
+    import deepspeed
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer
+
+    from gradaccum.errors import ConfigError
+    from gradaccum.integrations.transformers import ExactTrainer
+    from tests.integrations.test_transformers import training_args
+
+    os.environ["DS_ACCELERATOR"] = "cpu"  # this spawned process only
+    common.distributed_env(rank, world)
+    data = common.sequences(WORLD * M * K)
+    result: dict[str, Any] = {}
+    for name, cls, stage in (
+        ("exact 2", ExactTrainer, 2),
+        ("exact 3", ExactTrainer, 3),
+        ("plain 2", Trainer, 2),
+    ):
+        config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        # max_grad_norm far above the norm: DeepSpeed computes and logs it, and never clips
+        args = training_args(f"{out}/{name}-{rank}", deepspeed=config, max_grad_norm=1e9)
+        if stage == 2 and cls is ExactTrainer:
+            zero = training_args(
+                f"{out}/zero-{rank}", deepspeed={**config, "zero_optimization": {"stage": 0}}
+            )
+            try:
+                ExactTrainer(model=common.gpt2().float(), args=zero, train_dataset=data)
+            except ConfigError as exc:
+                result["stage 0 refusal"] = str(exc)
+            AcceleratorState._reset_state()  # one DeepSpeed plugin per Accelerator state; a test's reset
+        trainer = cls(
+            model=common.gpt2().float(), args=args, train_dataset=data, data_collator=common.collate
+        )
+        trainer.train()
+        named = list(trainer.model_wrapped.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):
+            result[name] = {n: p.detach().to(torch.float64).clone() for n, p in named}
+        result[name + " log"] = trainer.state.log_history[0]
+        result[name + " steps"] = trainer.model_wrapped.global_steps
+        AcceleratorState._reset_state()
+    return result
+
+
+@pytest.fixture(scope="module")
+def trainer_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = str(tmp_path_factory.mktemp("deepspeed-trainer"))
+    return values(run_ranks(_trainer_rank, out, world=WORLD, timeout_s=300, pg_timeout_s=120))
+
+
+def test_exact_trainer_under_deepspeed_gives_the_full_batch_update_loss_and_grad_norm(
+    trainer_ranks: list[dict[str, Any]],
+) -> None:
+    model = common.gpt2().float().double()
+    start = common.params(model)
+    batch = common.collate(common.sequences(WORLD * M * K))
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch) / count_fn(batch)
+    loss.backward()
+    loss = loss.detach()
+    norm = float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
+    with torch.no_grad():
+        want = {n: p - common.LR * p.grad for n, p in model.named_parameters()}
+    for r in trainer_ranks:
+        for name in ("exact 2", "exact 3"):
+            assert common.update_error(r[name], want, start) < TOLERANCE, name
+            # float32 forward and float32 norm of the partitioned gradient: 1e-6 relative
+            assert r[name + " log"]["loss"] == pytest.approx(float(loss), rel=1e-6)
+            assert r[name + " log"]["grad_norm"] == pytest.approx(norm, rel=1e-6)
+            assert r[name + " steps"] == 1
+        # the plain Trainer on the same engine: one label too many per row, a different grad norm
+        assert common.update_error(r["plain 2"], want, start) > 1e-2
+        assert abs(r["plain 2 log"]["grad_norm"] - norm) > 1e-2 * norm
+
+
+def test_exact_trainer_refuses_deepspeed_stage_0(trainer_ranks: list[dict[str, Any]]) -> None:
+    for r in trainer_ranks:
+        assert "ZeRO stage 0" in r["stage 0 refusal"] and "prepare_accumulator" in r["stage 0 refusal"]

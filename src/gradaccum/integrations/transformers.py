@@ -126,7 +126,8 @@ class ExactTrainer(Trainer):
 
     Takes Trainer's arguments plus ``exact=ExactConfig(...)``. Supported: one process and DDP (one
     process per device, ``torchrun``/``accelerate launch``), any mixed precision Trainer offers;
-    refused with an error that says why: DeepSpeed (its engine scales and accumulates itself),
+    DeepSpeed at ZeRO stages 1-3 (see :func:`_refuse_deepspeed`); refused with an error that says
+    why: DeepSpeed at stage 0 or in fp16,
     ``DataParallel`` over several GPUs in one process, and tensor, context or sequence parallelism
     (ranks that share a batch). Use :func:`exact_trainer` for a Trainer subclass (TRL's and your own).
     """
@@ -505,11 +506,7 @@ def _shifts_labels(model: nn.Module) -> bool:
 def _refuse_unsupported(trainer: Trainer) -> None:
     name = type(trainer).__name__
     if trainer.is_deepspeed_enabled:
-        raise ConfigError(
-            f"{name} does not run under DeepSpeed: its engine applies gradient_accumulation_steps and "
-            "loss scaling inside its own backward and step, where the exact weights cannot be set. "
-            "Train without deepspeed=..., with DDP (torchrun) or FSDP."
-        )
+        _refuse_deepspeed(trainer)
     if trainer.args.n_gpu > 1:
         raise ConfigError(
             f"{name} does not run under DataParallel (n_gpu={trainer.args.n_gpu} in one process), which "
@@ -521,6 +518,33 @@ def _refuse_unsupported(trainer: Trainer) -> None:
         raise ConfigError(
             f"{name} does not run with tensor, context or sequence parallelism (tp x cp x sp = {shared}): "
             "ranks that share a batch would each count it. Use data parallelism only."
+        )
+
+
+def _refuse_deepspeed(trainer: Trainer) -> None:
+    """DeepSpeed through Trainer: exact at ZeRO stages 1-3 in fp32 and bf16, refused elsewhere.
+
+    Trainer passes ``scale_wrt_gas=False`` to ``engine.backward`` for a loss it does not divide by
+    k (transformers #35808), and Accelerate sets the engine's accumulation boundary on the window's
+    last micro-batch and calls ``engine.step()`` there; every DeepSpeed reduction averages over the
+    W data-parallel ranks. So the loss sum_j * W / N that ``ExactTrainer`` hands Trainer is exact
+    there as under DDP (measured on two ranks at stages 1-3: the full batch's update, loss and grad
+    norm). At ZeRO stage 0 the update measured the same way is 1/k of the full batch's, for a reason
+    not yet found in Trainer's and Accelerate's stage-0 path (gradaccum's own step through the same
+    engine is exact there): refused.
+    """
+    name = type(trainer).__name__
+    config = getattr(trainer.args, "hf_deepspeed_config", None)
+    settings: dict[str, Any] = getattr(config, "config", None) or {}
+    stage = int((settings.get("zero_optimization") or {}).get("stage", 0) or 0)
+    fp16 = bool((settings.get("fp16") or {}).get("enabled", False)) or bool(trainer.args.fp16)
+    if stage == 0 or fp16:
+        what = "ZeRO stage 0" if stage == 0 else "fp16 (DeepSpeed's loss scaler and FP16_Optimizer)"
+        raise ConfigError(
+            f"{name} runs under DeepSpeed with ZeRO stages 1-3 in fp32 or bf16; this config uses {what}, "
+            "where the accumulated update is not verified exact (at stage 0 it measured 1/k of the "
+            "full batch's). Set zero_optimization.stage to 1, 2 or 3 and leave fp16 off, or drive the "
+            "engine with gradaccum.integrations.deepspeed.prepare_accumulator."
         )
 
 
