@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,7 +99,7 @@ def _poisoned(rank: int) -> Any:
 
 
 def _stage(rank: int, stage: int) -> dict[str, Any]:
-    from gradaccum.errors import ConfigError
+    from gradaccum.errors import ConfigError, WindowError
     from gradaccum.integrations.deepspeed import prepare_accumulator
 
     a, b = _data()
@@ -112,6 +116,11 @@ def _stage(rank: int, stage: int) -> dict[str, Any]:
         results.append(acc.step(_window(examples, rank, k), fn, count_fn))
         steps.append(int(engine.global_steps))
         out[f"params {len(results)}"] = _full_params(engine)
+    try:  # rank 0 holds 2 micro-batches, rank 1 one: refused on both before any forward
+        acc.step(_window(a, rank, 2 - rank), loss_fn, count_fn)
+    except WindowError as exc:
+        out["uneven refusal"] = str(exc)
+    out["after refusal"] = int(engine.global_steps)
     out["results"] = [(r.applied, r.micro_batches, r.global_count, r.local_count) for r in results]
     out["global_steps"] = steps
     out["skipped_steps"] = int(engine.skipped_steps)
@@ -211,6 +220,13 @@ def test_a_non_finite_window_on_one_rank_is_skipped_on_both(ranks: list[dict[str
     assert [s["skipped_steps"] for s in ranks[0]["stages"]] == [0, 1, 1, 1]
 
 
+def test_windows_of_unequal_lengths_are_refused_on_both_ranks(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        for s in r["stages"]:
+            assert "different numbers of micro-batches" in s["uneven refusal"], s["stage"]
+            assert s["after refusal"] == s["global_steps"][-1]  # nothing stepped
+
+
 def test_gradaccum_clipping_is_refused_naming_deepspeeds(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         for s in r["stages"]:
@@ -304,3 +320,23 @@ def test_exact_trainer_under_deepspeed_gives_the_full_batch_update_loss_and_grad
 def test_exact_trainer_refuses_deepspeed_stage_0(trainer_ranks: list[dict[str, Any]]) -> None:
     for r in trainer_ranks:
         assert "ZeRO stage 0" in r["stage 0 refusal"] and "prepare_accumulator" in r["stage 0 refusal"]
+
+
+# -- the documentation's example ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_the_documented_example_runs_exactly_under_torchrun() -> None:
+    """docs/examples/deepspeed_accumulate.py at ZeRO stage 3, as docs/integrations.md runs it."""
+    root = Path(__file__).resolve().parents[2]
+    script = root / "docs" / "examples" / "deepspeed_accumulate.py"
+    assert '--8<-- "examples/deepspeed_accumulate.py"' in (root / "docs" / "integrations.md").read_text()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}  # the child's environment only
+    proc = subprocess.run(
+        [*launch, str(script), "3"], capture_output=True, text=True, timeout=150, check=False, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = re.search(r"optimizer steps: 1; update's relative error from the full batch: (\S+)", proc.stdout)
+    assert match is not None, proc.stdout
+    assert float(match.group(1)) < TOLERANCE

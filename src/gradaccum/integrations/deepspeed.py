@@ -123,11 +123,12 @@ class DeepSpeedAccumulator(EngineFace):
         self.ds_engine = engine
         """The DeepSpeed engine: forwards, backwards and steps go through it."""
         step = DeepSpeedStep(engine)
-        if step.stage >= 2:
-            # ZeRO-2 and -3 reduce-scatter gradients in every backward (and ZeRO-3 gathers
-            # parameters in every forward): every rank must run the same number of micro-batches,
-            # which the counts all-reduce checks under defer_sync=False
-            config = dataclasses.replace(config, defer_sync=False)
+        # ZeRO-2 and -3 reduce-scatter gradients in every backward (ZeRO-3 also gathers parameters
+        # in every forward), and DeepSpeed's boundary bookkeeping assumes one window length on all
+        # ranks: every rank must run the same number of micro-batches, which the counts
+        # all-reduce checks under defer_sync=False (the engine defers nothing itself here; the
+        # boundary does)
+        config = dataclasses.replace(config, defer_sync=False)
         self._engine = WindowEngine(
             engine,
             engine.optimizer,
