@@ -173,6 +173,8 @@ class DeepSpeedAccumulator(EngineFace):
             scale = scales.get(loss.dtype)
             if scale is None:
                 scale = scales[loss.dtype] = scale64.to(loss.dtype)
+            # a new tensor, never the forward's output itself: at stage 0 DeepSpeed divides an output
+            # by gradient_accumulation_steps in a hook unless engine.backward's hook ran first
             return Contribution(loss * scale, loss.detach())
 
         accumulated = engine.accumulate(micro_batches, contribute)

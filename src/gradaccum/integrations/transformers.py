@@ -529,9 +529,13 @@ def _refuse_deepspeed(trainer: Trainer) -> None:
     last micro-batch and calls ``engine.step()`` there; every DeepSpeed reduction averages over the
     W data-parallel ranks. So the loss sum_j * W / N that ``ExactTrainer`` hands Trainer is exact
     there as under DDP (measured on two ranks at stages 1-3: the full batch's update, loss and grad
-    norm). At ZeRO stage 0 the update measured the same way is 1/k of the full batch's, for a reason
-    not yet found in Trainer's and Accelerate's stage-0 path (gradaccum's own step through the same
-    engine is exact there): refused.
+    norm). At ZeRO stage 0 DeepSpeed 0.19.8 hooks every tensor its forward returns to divide its
+    gradient by k, unless ``engine.backward``'s own hook on the loss ran first; when ``compute_loss``
+    returns the model's loss tensor itself (``ExactTrainer`` keeps it as it is, with
+    ``average_tokens_across_devices`` off), the output's hook runs first and the update is 1/k of
+    the full batch's (measured). A ``compute_loss`` override could return that tensor too, so stage
+    0 is refused rather than patched here; gradaccum's own step backpropagates ``loss * W/N``, a new
+    tensor, and is exact there.
     """
     name = type(trainer).__name__
     config = getattr(trainer.args, "hf_deepspeed_config", None)
@@ -542,9 +546,10 @@ def _refuse_deepspeed(trainer: Trainer) -> None:
         what = "ZeRO stage 0" if stage == 0 else "fp16 (DeepSpeed's loss scaler and FP16_Optimizer)"
         raise ConfigError(
             f"{name} runs under DeepSpeed with ZeRO stages 1-3 in fp32 or bf16; this config uses {what}, "
-            "where the accumulated update is not verified exact (at stage 0 it measured 1/k of the "
-            "full batch's). Set zero_optimization.stage to 1, 2 or 3 and leave fp16 off, or drive the "
-            "engine with gradaccum.integrations.deepspeed.prepare_accumulator."
+            "where the accumulated update is not exact (at stage 0 DeepSpeed divides the model's own "
+            "loss tensor by gradient_accumulation_steps in a hook on the forward's output: 1/k of the "
+            "full batch's update, measured). Set zero_optimization.stage to 1, 2 or 3 and leave fp16 "
+            "off, or drive the engine with gradaccum.integrations.deepspeed.prepare_accumulator."
         )
 
 
