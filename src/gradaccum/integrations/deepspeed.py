@@ -209,15 +209,16 @@ def refuse_unsupported(engine: Any, config: AccumConfig) -> None:
         raise ConfigError(
             "DeepSpeed's fp16 mode (FP16_Optimizer, or ZeRO with its dynamic loss scaler) is not "
             "supported: it scales, checks and skips float16 gradients in its own optimizer, and the "
-            "exact window is verified here only in float32. Use fp32, or bf16 under ZeRO stage 2 or 3."
+            "exact window is verified here only in float32. Use fp32 (bf16 under ZeRO stage 2 or 3 runs "
+            "the same reductions, checked only to bf16's rounding)."
         )
     if isinstance(engine.optimizer, BF16_Optimizer):
         raise ConfigError(
             "DeepSpeed's BF16_Optimizer (bf16 without ZeRO, or at stage 1 with fp32 gradient accumulation) "
             "is not supported: it accumulates "
             "micro-batch gradients into its own fp32 buffer in backward_epilogue, and under ZeRO-1 the "
-            "last micro-batch's gradients leak into the next step (DeepSpeed PR #7985). Use bf16 under "
-            "ZeRO stage 2 or 3, or fp32."
+            "last micro-batch's gradients leak into the next step (DeepSpeed PR #7985). Use fp32, or "
+            "bf16 under ZeRO stage 2 or 3 (the same reductions as fp32, checked only to bf16's rounding)."
         )
     if not engine.managed_gradient_accumulation():
         raise ConfigError(
