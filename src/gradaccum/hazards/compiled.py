@@ -31,12 +31,12 @@ from typing import Any
 
 import torch.nn as nn
 
-from gradaccum.hazards.scanner import Finding
+from gradaccum.hazards.finding import Finding
 
 __all__ = ["COMPILED_DENOMINATOR", "compiled_findings", "compiled_regions"]
 
 COMPILED_DENOMINATOR = "compiled-python-denominator"
-"""The rule's code in a :class:`~gradaccum.hazards.scanner.Finding`."""
+"""The rule's code in a :class:`~gradaccum.hazards.finding.Finding`."""
 
 _COUNT_METHODS = ("item", "tolist", "numel", "nelement")
 """Tensor methods that give a Python number (a count, or a value read to the host)."""

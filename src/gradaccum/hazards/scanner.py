@@ -32,13 +32,14 @@ the whole batch), so every scan ends with a note that ``verify`` is the empirica
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 
 from gradaccum.errors import PlanError
-from gradaccum.fielddocs import document_fields
+from gradaccum.hazards.compiled import compiled_findings
+from gradaccum.hazards.finding import Finding, Severity
 from gradaccum.values import require_int
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
     "scan",
 ]
 
-Severity = Literal["error", "warning", "info"]
 _RANK: dict[str, int] = {"error": 0, "warning": 1, "info": 2}
 
 # isinstance only: these base classes cover every flavour (Sync, Lazy, 1d/2d/3d) and user subclasses
@@ -76,46 +76,6 @@ AUX_LOSS_NAMES = (
 EXPERT_COUNT_NAMES = ("num_experts", "n_experts", "num_local_experts", "n_routed_experts")
 """Expert-count attributes; they mark a router when the class name says router/moe/gate/expert."""
 _ROUTER_NAME_PARTS = ("router", "moe", "gate", "gating", "expert")
-
-
-@document_fields
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Finding:
-    """One thing in a model or its loss that changes under accumulation, and what to do about it."""
-
-    code: str
-    """Stable rule name: ``batch-norm``, ``running-stats``, ``random-layer``, ``moe-router``,
-    ``declared-hazard``, ``compiled-python-denominator``, ``note`` or ``verify``."""
-    severity: Severity
-    """``error``: the accumulated gradient differs from the full batch's, so verify fails;
-    ``warning``: gradients match, but something else changes with k (running estimates, random
-    draws); ``info``: a note."""
-    path: str
-    """The module's path in the model (``layer1.0.bn1``); ``""`` for the loss or the whole model."""
-    kind: str
-    """The module's class name (``BatchNorm2d``), or ``loss``/``scan`` for findings without a module."""
-    summary: str
-    """A clause completing "<kind> at `path` ...", e.g. "normalizes each micro-batch separately"."""
-    explanation: str
-    """Why, with the figures (micro-batch sizes, momentum per step)."""
-    fix: str
-    """What to do about it."""
-    figures: dict[str, float] = field(default_factory=dict)
-    """The numbers in the explanation, by name (``effective_momentum``, ``accum_steps``, ...)."""
-
-    @property
-    def breaks_equivalence(self) -> bool:
-        """True when the accumulated gradient cannot match the full-batch gradient."""
-        return self.severity == "error"
-
-    @property
-    def headline(self) -> str:
-        """One line naming the module: "BatchNorm2d at `layer1.0.bn1` normalizes each micro-batch ..."."""
-        where = f"{self.kind} at `{self.path}`" if self.path else f"the {self.kind}"
-        return f"{where} {self.summary}"
-
-    def __str__(self) -> str:
-        return f"[{self.severity}] {self.code}: {self.headline}. {self.explanation} Fix: {self.fix}"
 
 
 def effective_momentum(momentum: float, accum_steps: int) -> float:
@@ -510,8 +470,6 @@ def scan(
     compiled modules). Findings come errors first, then warnings, then notes; the last one always
     says that ``verify`` is the empirical check.
     """
-    from gradaccum.hazards.compiled import compiled_findings  # it builds this module's Finding
-
     require_int("accum_steps", accum_steps)
     require_int("micro_batch", micro_batch, none_ok=True)
     if not isinstance(model, nn.Module):
