@@ -1,11 +1,11 @@
 """No import cycle among gradaccum's modules.
 
 A cycle makes the import order decide what a module sees, and hides which module is the lower one.
-The graph is read from the source (ast): every import at module level, including those under
-``if TYPE_CHECKING:`` (a type a module names is a dependency too) and in ``try`` blocks; imports
-inside functions are deferred on purpose (to keep ``--help`` and ``import gradaccum`` light) and
-are left out. Importing ``pkg.mod`` is an edge to ``pkg.mod``; a parent package's ``__init__`` is
-not counted, since gradaccum's packages import their names lazily.
+The graph is read from the source (ast): every import, at module level (including those under
+``if TYPE_CHECKING:`` and in ``try`` blocks) and inside functions and methods. An import deferred
+into a function keeps ``--help`` and ``import gradaccum`` light, but it is still a dependency: a
+circle through it is a circle. Importing ``pkg.mod`` is an edge to ``pkg.mod``; a parent package's
+``__init__`` is not counted, since gradaccum's packages import their names lazily.
 """
 
 from __future__ import annotations
@@ -28,31 +28,26 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _module_level(tree: ast.Module) -> list[ast.stmt]:
-    """The statements that run when the module is imported (bodies of functions excluded)."""
-    out: list[ast.stmt] = []
-    todo: list[ast.stmt] = list(tree.body)
-    while todo:
-        node = todo.pop()
-        out.append(node)
-        if isinstance(node, ast.If):
-            todo += node.body + node.orelse
-        elif isinstance(node, ast.Try):
-            todo += node.body + node.orelse + node.finalbody
-            for handler in node.handlers:
-                todo += handler.body
-        elif isinstance(node, ast.ClassDef | ast.With):
-            todo += node.body
-    return out
+# Known edges that close a circle, each to be deleted with the import that makes it; nothing else.
+KNOWN_CIRCLE_EDGES = {
+    # step/engine.py imports integrations.accelerate inside Accumulator construction, and
+    # integrations/accelerate.py -> step/accumulator.py -> step/engine.py closes the circle.
+    ("gradaccum.step.engine", "gradaccum.integrations.accelerate"),
+}
 
 
-def _graph() -> dict[str, set[str]]:
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement in the module: at module level and inside functions and classes."""
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
+
+
+def _graph(*, allow_known: bool = True) -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges: set[str] = set()
-        for node in _module_level(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 edges.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -62,7 +57,11 @@ def _graph() -> dict[str, set[str]]:
                     base = ".".join([*anchor, *([base] if base else [])])
                 for alias in node.names:
                     edges.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-        graph[name] = {e for e in edges if e in modules and e != name}
+        graph[name] = {
+            e
+            for e in edges
+            if e in modules and e != name and not (allow_known and (name, e) in KNOWN_CIRCLE_EDGES)
+        }
     return graph
 
 
@@ -108,6 +107,15 @@ def test_the_graph_sees_gradaccums_imports() -> None:
     assert "gradaccum.errors" in graph["gradaccum.plan"]
     assert "gradaccum.train.records" in graph["gradaccum.cli.cmd_train"]
     assert "gradaccum.workloads.base" in graph["gradaccum.check.workload"]
+    # an import inside a function is an edge too (cmd_scan imports the scanner where it runs)
+    assert "gradaccum.hazards.scanner" in graph["gradaccum.cli.cmd_scan"]
+
+
+def test_every_known_circle_edge_still_exists() -> None:
+    """An allowed edge whose import is gone must leave the list, so the list cannot hide a new one."""
+    graph = _graph(allow_known=False)
+    gone = [(a, b) for a, b in KNOWN_CIRCLE_EDGES if b not in graph[a]]
+    assert not gone, f"delete these from KNOWN_CIRCLE_EDGES, their imports are gone: {gone}"
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
