@@ -61,10 +61,30 @@ class MeshReport:
     """Relative L2 error of the accumulated update against one process's full-batch update."""
     tolerance: float
     """The bound both errors must stay under."""
+    examples_per_rank: int | None = None
+    """Examples of the verification batch each data rank holds (its share of the window)."""
 
     @property
     def passed(self) -> bool:
         return max(self.accumulated_vs_one_pass, self.accumulated_vs_single_process) <= self.tolerance
+
+    @property
+    def weakness(self) -> str | None:
+        """Why a pass proves less than it seems, or None. With one micro-batch per data rank the
+        accumulated run and the one-pass run are the same run: nothing was accumulated, and only
+        the parallelization was checked against one process."""
+        if self.micro_batches > 1:
+            return None
+        share = self.examples_per_rank
+        if share is not None and share > 1:
+            smaller = max(d for d in range(1, share) if share % d == 0)
+            fix = f"use --micro-batch {smaller} (it divides the {share} examples each data rank holds)"
+        else:
+            fix = "use fewer data ranks, so that each holds several micro-batches"
+        return (
+            "one micro-batch per data rank: nothing was accumulated, so the check compared the "
+            f"parallelization alone against one process; {fix}"
+        )
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -154,4 +174,5 @@ def verify_on_mesh(
         accumulated_vs_one_pass=_update_error(accumulated, one_pass, start),
         accumulated_vs_single_process=_update_error(accumulated, reference, start),
         tolerance=MESH_TOLERANCE,
+        examples_per_rank=share,
     )

@@ -381,6 +381,8 @@ def _run_mesh(args: argparse.Namespace, workload: Workload, device: torch.device
                 f"  accumulated vs one process, full batch:  {report.accumulated_vs_single_process:.1e}\n"
                 f"  tolerance {report.tolerance:.0e}: {'PASS' if report.passed else 'FAIL'}"
             )
+            if report.weakness is not None:
+                console.print(f"  [yellow]weak check:[/yellow] {escape(report.weakness)}")
     finally:
         dist.destroy_process_group()
     return EXIT_OK if report.passed else EXIT_FAILED

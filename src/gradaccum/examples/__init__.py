@@ -20,7 +20,7 @@ from gradaccum.examples.contrastive import (
     pair_loss,
     synthetic_pairs,
 )
-from gradaccum.examples.gpt import GPTConfig, TinyGPT, sample_sequences, vocab
+from gradaccum.examples.gpt import GPTConfig, TinyGPT, parallelize_gpt, sample_sequences, vocab
 from gradaccum.loss import count_examples, count_tokens, summed_cross_entropy
 
 __all__ = ["bn_cnn", "build_tiny_gpt", "contrastive", "gpt_loss", "tiny_gpt"]
@@ -51,6 +51,7 @@ def tiny_gpt() -> Workload:
         micro_batch=2,
         unit="tokens",
         description="tiny causal GPT, padded variable-length sequences: accumulation must be exact",
+        parallelize=parallelize_gpt,
     )
 
 

@@ -10,13 +10,23 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from gradaccum.errors import ConfigError
 from gradaccum.loss import IGNORE_INDEX
 
-__all__ = ["CharVocab", "GPTConfig", "TinyGPT", "corpus_text", "sample_sequences", "vocab"]
+__all__ = [
+    "CharVocab",
+    "GPTConfig",
+    "TinyGPT",
+    "corpus_text",
+    "parallelize_gpt",
+    "sample_sequences",
+    "vocab",
+]
 
 
 @lru_cache(maxsize=1)
@@ -128,3 +138,41 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def parallelize_gpt(model: nn.Module, mesh: Any) -> nn.Module:
+    """Tensor-parallelize and shard a :class:`TinyGPT` on a named DeviceMesh, in torchtitan's order.
+
+    Where the mesh has ``tp``: each block's MLP in Megatron's layout (the first linear
+    column-parallel, the second row-parallel, so each TP rank holds 1/tp of the hidden units and
+    the block's output is all-reduced). Attention stays whole on every TP rank: its ``qkv`` is one
+    fused linear, which a column split would cut across q, k and v. Then FSDP2 over ``dp_shard``
+    (HSDP over ``dp_replicate`` x ``dp_shard`` where the mesh has both), each block and the root.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if not isinstance(model, TinyGPT):
+        raise ConfigError(f"parallelize_gpt parallelizes a TinyGPT, got {type(model).__name__}")
+    if "dp_replicate" in names and "dp_shard" not in names:
+        raise ConfigError(
+            f"parallelize_gpt shards with FSDP2, over dp_shard (HSDP over dp_replicate x dp_shard); the "
+            f"mesh {names} has dp_replicate alone: add dp_shard (e.g. dp_replicate=2,dp_shard=2) or use "
+            "dp_shard in place of dp_replicate"
+        )
+    if "tp" in names:
+        hidden = 4 * model.cfg.d_model
+        tp = int(mesh["tp"].size())
+        if hidden % tp:
+            raise ConfigError(f"tp={tp} must divide the MLP's {hidden} hidden units of this TinyGPT")
+        plan = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], plan)
+    if "dp_shard" not in names:
+        return model
+    shard_mesh = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp_shard"]
+    for block in model.blocks:
+        fully_shard(block, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return model
