@@ -186,6 +186,26 @@ def test_train_a_few_steps(files: dict, tmp_path: Path, capsys: pytest.CaptureFi
     assert "completed: 2 boundaries, 2 updates applied" in out
     card = json.loads((tmp_path / "run" / "runcard.json").read_text())
     assert card["workload"].startswith("hf:") and "pack=1" in card["workload"]
+    # packed, the 24 documents fill 7 rows: too few to split, and the run says so
+    assert "evaluation: none held out, 7 rows are too few to split (evaluation is refused)" in out
+    assert card["extra"]["evaluation"] == {
+        "held_out_rows": 0,
+        "rows": 7,
+        "summary": "evaluation: none held out, 7 rows are too few to split (evaluation is refused)",
+    }
+
+
+def test_train_says_and_records_the_held_out_rows(
+    files: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", "--workload", f"hf:{files['config_only']}", "--data", str(files["txt"]), *SEQ]
+    run = ["--steps", "1", "--global-batch", "2", "--micro-batch", "2", "--eval-every", "1"]
+    code, out, err = _run(capsys, *args, *run, "--run-dir", str(tmp_path / "run"))
+    assert code == 0, out + err
+    words = "evaluation: 2 held-out rows of 24, never trained on"  # one padded document per row
+    assert words in " ".join(out.split())
+    card = json.loads((tmp_path / "run" / "runcard.json").read_text())
+    assert card["extra"]["evaluation"] == {"held_out_rows": 2, "rows": 24, "summary": words}
 
 
 def _bad(files: dict, case: str) -> list[str]:

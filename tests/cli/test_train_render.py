@@ -11,11 +11,13 @@ from gradaccum.cli import train_render
 from gradaccum.cli.train_render import TrainRenderer, loss_summary
 
 
-def _record(window: int) -> Any:
-    return SimpleNamespace(
-        window=window, window_tokens=100, step_time_ms=10.0, loss=5.0 - window / 1000, lr=1e-3,
-        tokens=100 * (window + 1), applied=True, skipped=0, skip_reason=None, recompiles=0,
-    )  # fmt: skip
+def _record(window: int, **changed: Any) -> Any:
+    """A step record as the renderer reads it; ``changed`` overrides its fields."""
+    return SimpleNamespace(**{
+        "window": window, "window_tokens": 100, "step_time_ms": 10.0, "loss": 5.0 - window / 1000,
+        "lr": 1e-3, "tokens": 100 * (window + 1), "applied": True, "skipped": 0, "skip_reason": None,
+        "recompiles": 0, **changed,
+    })  # fmt: skip
 
 
 def test_progress_lines_come_by_time_as_well_as_by_step(
@@ -81,3 +83,69 @@ def test_the_second_signal_says_what_was_written_and_what_was_removed(
     else:
         assert text.startswith("second signal (SIGINT): stopped at once, mid-window; the newest complete")
         assert text.endswith("removed, unfinished: .tmp-step-00000005")
+
+
+def _timed(window: int, step_time_ms: float, recompiles: int = 0) -> Any:
+    return _record(window, step_time_ms=step_time_ms, recompiles=recompiles)
+
+
+def test_compile_time_is_the_compiling_windows_time_beyond_a_plain_window() -> None:
+    steps = [_timed(0, 5010.0, recompiles=3), _timed(1, 10.0), _timed(2, 12.0), _timed(3, 10.0)]
+    assert train_render.compile_seconds(steps) == pytest.approx(5.0)  # 5010 ms less the median 10 ms
+    assert train_render.compile_seconds([_timed(0, 10.0)]) == 0.0  # eager: nothing compiled
+    assert train_render.compile_seconds([_timed(0, 800.0, recompiles=1)]) == pytest.approx(0.8)
+
+
+def test_the_summary_prints_compile_time_apart_and_keeps_it_out_of_tokens_per_second(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    renderer = TrainRenderer(SimpleNamespace(steps=4), SimpleNamespace(), [])  # type: ignore[arg-type]
+    for record in (_timed(0, 5010.0, recompiles=2), _timed(1, 10.0), _timed(2, 10.0), _timed(3, 10.0)):
+        renderer._step(record)
+    progress = SimpleNamespace(windows=4, steps_applied=4, steps_skipped=0, tokens_consumed=400)
+    result = SimpleNamespace(
+        progress=progress, eval_loss=None, critical_batch=None, batch_schedule=None, stopped="completed",
+        tokens_per_s=400 / 6.0, wall_s=6.0, loss_scale=None, run_dir=tmp_path, checkpoints=[],
+    )  # fmt: skip
+    renderer.summary(result, "")  # type: ignore[arg-type]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "compile time: 5.0 s (torch.compile, 2 graphs in 1 window" in out
+    # 300 tokens over the 30 ms of the three plain windows; 400 tokens over 6.0 - 5.0 s of wall time
+    assert "10,000 tok/s in the training windows that did not compile" in out
+    assert "400 tok/s over the 1.0 s wall time without compiling" in out
+
+
+def _window(window: int, global_batch: int, tokens: int, b_simple: float | None) -> Any:
+    return _record(window, global_batch=global_batch, window_tokens=tokens, b_simple=b_simple)
+
+
+def test_the_final_batch_and_the_last_estimate_are_stated_in_one_labelled_unit() -> None:
+    # the case of the issue: the run's mean was 1,229 tokens per update, the final batch far larger
+    steps = [_window(0, 16, 270, None), _window(99, 208, 3524, 1385.0)]
+    change = SimpleNamespace(step=90, b_simple=4484.0)
+    words = train_render.final_batch_words(steps, [change], "tokens")  # type: ignore[arg-type]
+    assert words == (
+        "final global batch 208 examples = 3,524 tokens (the last window) is 0.79x the last B_simple "
+        "estimate ~ 4,484 tokens (B_recent at the change after step 90)"
+    )
+    # before any change: the smoothed estimate, said so; a workload counting examples says it once
+    words = train_render.final_batch_words(steps, [], "examples")  # type: ignore[arg-type]
+    assert words is not None and words.startswith("final global batch 3,524 examples (the last window) is")
+    assert words.endswith("~ 1,385 examples (smoothed over the run, after the last window)")
+
+
+def test_a_batch_change_line_labels_examples_and_the_workloads_unit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gradaccum.train.batch_schedule import BatchChange
+
+    renderer = TrainRenderer(SimpleNamespace(steps=100), SimpleNamespace(), [])  # type: ignore[arg-type]
+    renderer.unit = "tokens"
+    change = BatchChange(
+        window=40, step=40, from_global_batch=16, global_batch=32, accum_steps=4, b_simple=1234.0,
+        target=30.5, lr_scale=1.41,
+    )  # fmt: skip
+    renderer(change)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "global batch 16 -> 32 examples (accum_steps 4) after step 40" in out
+    assert "B_simple over the last windows ~ 1,234 tokens, aiming at 30.5 examples" in out

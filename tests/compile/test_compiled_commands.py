@@ -7,6 +7,7 @@ no C++ is built (inductor itself is exercised in test_compiled_step.py).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,8 @@ def test_train_runcard_that_says_compile_compiles_and_prints_the_windows_that_di
     assert "; compiled (torch.compile)" in text
     assert "step 1: torch.compile compiled" in text and "step 2: torch.compile" not in text
     assert json.loads((run_dir / "runcard.json").read_text())["compile"] is True
+    # the compile time on its own line, out of the throughput, and the summary says so
+    assert re.search(r"compile time: [\d.,]+ s \(torch.compile, \d+ graphs? in 1 window", text), text
+    assert "kept out of the tok/s below" in text
+    assert "tok/s in the training windows that did not compile" in text
+    assert "s wall time without compiling" in text

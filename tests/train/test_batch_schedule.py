@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
@@ -266,6 +267,21 @@ def test_a_run_card_replays_the_schedule(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     changes = _records(tmp_path / "first", "batch")
     assert changes and "global batch 8 -> " in out and "batch schedule: global batch 8 -> " in out
+    # the units labelled: the batch in examples, B_simple in the workload's unit (the regression's rows)
+    assert re.search(
+        r"global batch 8 -> \d+ examples \(accum_steps \d+\) after step \d+: B_simple over "
+        r"the last windows ~ [\d,]+ examples, aiming at",
+        out,
+    ), out
+    final = _records(tmp_path / "first", "step")[-1]["global_batch"]
+    last = changes[-1]
+    assert (
+        f"final global batch {final:,} examples (the last window) is" in out
+        and f"(B_recent at the change after step {last['step']})" in out
+    ), out
+    assert "over the whole run, the mean per update: global batch" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "first" / "batch.png").stat().st_size > 0 and "batch.png" in out
     card = tmp_path / "first" / "runcard.json"
     recorded = json.loads(card.read_text())["extra"]["batch_schedule"]
     assert recorded["max_global_batch"] == 64 and recorded["min_updates"] == 10

@@ -15,9 +15,17 @@ if TYPE_CHECKING:
 
     from gradaccum.train.config import TrainConfig
     from gradaccum.train.loop import TrainResult
-    from gradaccum.train.records import StepRecord, TrainEvent, TrainStart
+    from gradaccum.train.records import BatchChange, StepRecord, TrainEvent, TrainStart
 
-__all__ = ["TrainRenderer", "checkpoint_policy", "count", "fmt", "loss_summary"]
+__all__ = [
+    "TrainRenderer",
+    "checkpoint_policy",
+    "compile_seconds",
+    "count",
+    "final_batch_words",
+    "fmt",
+    "loss_summary",
+]
 
 
 def count(n: int, word: str) -> str:
@@ -33,10 +41,14 @@ class TrainRenderer:
         self.args = args
         self.notes = notes
         self.steps: list[StepRecord] = []
+        self.changes: list[BatchChange] = []
+        self.unit = "tokens"
+        """What the workload counts (``TrainStart.unit``): the unit of B_simple."""
         self.progress: Progress | None = None
         self.task: Any = None
         self.every = max(1, (config.steps or 100) // 10)
         self.tokens, self.seconds = 0, 0.0
+        """Valid units and seconds of the windows that did not compile: the throughput's figures."""
         self.last_line = time.monotonic()
         """When the last progress line was printed: at least one every ``EVERY_S`` seconds."""
 
@@ -52,11 +64,12 @@ class TrainRenderer:
                 f"eval at step {event.step}: loss {fmt(event.eval_loss)} over {event.eval_tokens:,} tokens"
             )
         elif isinstance(event, BatchChange):
+            self.changes.append(event)
             self._print(
-                f"global batch {event.from_global_batch:,} -> {event.global_batch:,} "
+                f"global batch {event.from_global_batch:,} -> {event.global_batch:,} examples "
                 f"(accum_steps {event.accum_steps}) after step {event.step}: B_simple over the last "
-                f"windows ~ {event.b_simple:,.0f}, aiming at {event.target:,.1f} examples (its lower "
-                f"bound); lr x {event.lr_scale:.3g} of the starting batch's"
+                f"windows ~ {event.b_simple:,.0f} {self.unit}, aiming at {event.target:,.1f} examples "
+                f"(its lower bound); lr x {event.lr_scale:.3g} of the starting batch's"
             )
         elif isinstance(event, CheckpointRecord):
             self._print(
@@ -70,6 +83,7 @@ class TrainRenderer:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         cfg = self.config
+        self.unit = start.unit
         if self.args.runcard is not None:
             checked = f" (from run card {escape(str(self.args.runcard))})"
         else:
@@ -107,6 +121,8 @@ class TrainRenderer:
             moves = "a larger global batch keeps the tokens and takes fewer steps"
         console.print(f"warmup: {keeps}; {moves}")
         console.print(escape(checkpoint_policy(cfg)))
+        if start.evaluation is not None:
+            console.print(escape(start.evaluation))
         if start.batch_schedule is not None:
             b = start.batch_schedule
             grown = [c["global_batch"] for c in b["changes"]]
@@ -148,9 +164,10 @@ class TrainRenderer:
 
     def _step(self, record: StepRecord) -> None:
         self.steps.append(record)
-        self.tokens += record.window_tokens
-        self.seconds += record.step_time_ms / 1e3
-        rate = f"{self.tokens / self.seconds if self.seconds else 0.0:,.0f}"  # since start: less noisy
+        if not record.recompiles:  # a window that compiled measures the compiler, not the step
+            self.tokens += record.window_tokens
+            self.seconds += record.step_time_ms / 1e3
+        rate = f"{self.tokens / self.seconds:,.0f}" if self.seconds else "-"  # since start: less noisy
         if self.progress is not None:
             self.progress.update(
                 self.task,
@@ -182,7 +199,7 @@ class TrainRenderer:
 
     def summary(self, result: TrainResult, resume: str) -> None:
         from gradaccum.train.loop import RUNCARD_FILE
-        from gradaccum.train.records import LOSS_PNG, METRICS_FILE
+        from gradaccum.train.records import BATCH_PNG, LOSS_PNG, METRICS_FILE
 
         losses = [r.loss for r in self.steps if r.loss is not None and r.applied]
         p = result.progress
@@ -190,33 +207,88 @@ class TrainRenderer:
         if result.eval_loss is not None:
             console.print(f"eval loss {result.eval_loss:.4f}")
         if result.critical_batch is not None:
-            console.print(escape(result.critical_batch))
+            # under a batch schedule the words describe the run's mean batch, not the final one
+            mean = "over the whole run, the mean per update: " if result.batch_schedule is not None else ""
+            console.print(escape(mean + result.critical_batch))
         if result.batch_schedule is not None:
             b = result.batch_schedule
             path = [b["start_global_batch"], *(c["global_batch"] for c in b["changes"])]
             console.print(
-                f"batch schedule: global batch {' -> '.join(f'{g:,}' for g in path)} "
+                f"batch schedule: global batch {' -> '.join(f'{g:,}' for g in path)} examples "
                 f"({count(len(b['changes']), 'change')}; lr rule {b['lr_rule']}; per step in metrics.jsonl)"
             )
+            final = final_batch_words(self.steps, self.changes, self.unit)
+            if final is not None:
+                console.print(final)
         # the same clock as the progress lines (time inside windows), then the whole wall time
         in_windows = self.tokens / self.seconds if self.seconds else 0.0
+        compiled = [r for r in self.steps if r.recompiles]
+        compiling_s = compile_seconds(self.steps)
+        wall_rate, wall_words = result.tokens_per_s, f"the {result.wall_s:,.1f} s wall time"
+        if compiled:
+            graphs = count(sum(r.recompiles for r in compiled), "graph")
+            console.print(
+                f"compile time: {compiling_s:,.1f} s (torch.compile, {graphs} in "
+                f"{count(len(compiled), 'window')}: their time beyond a window that did not compile), "
+                "kept out of the tok/s below"
+            )
+            rest = result.wall_s - compiling_s
+            wall_rate = p.tokens_consumed / rest if rest > 0 else 0.0
+            wall_words = f"the {rest:,.1f} s wall time without compiling"
         console.print(
             f"{result.stopped}: {count(p.windows, 'boundary')}, "
             f"{count(p.steps_applied, 'update')} applied, "
             f"{p.steps_skipped} skipped; {p.tokens_consumed:,} tokens consumed; {in_windows:,.0f} tok/s in "
-            f"training windows, {result.tokens_per_s:,.0f} tok/s over the {result.wall_s:,.1f} s wall time "
-            "(with checkpoints, evaluation and records)"
+            + ("the training windows that did not compile" if compiled else "training windows")
+            + f", {wall_rate:,.0f} tok/s over {wall_words} (with checkpoints, evaluation and records)"
             + (f"; loss scale {result.loss_scale:g}" if result.loss_scale is not None else "")
         )
         run_dir = result.run_dir
+        pngs = f"{run_dir / LOSS_PNG}"
+        if result.critical_batch is not None:  # --noise-scale: the batch figure is drawn too
+            pngs += f", {run_dir / BATCH_PNG}"
         console.print(
             escape(
-                f"records: {run_dir / RUNCARD_FILE}, {run_dir / METRICS_FILE}, {run_dir / LOSS_PNG}"
+                f"records: {run_dir / RUNCARD_FILE}, {run_dir / METRICS_FILE}, {pngs}"
                 + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else "")
             )
         )
         if result.stopped != "completed":
             console.print(escape(f"resume with: {resume}"))
+
+
+def final_batch_words(steps: list[StepRecord], changes: list[BatchChange], unit: str) -> str | None:
+    """The final global batch against the last B_simple estimate, both in ``unit`` (what count_fn
+    counts), the batch in examples beside it. The last estimate is the schedule's own (B_recent at
+    its last change); before any change, the run's smoothed B_simple after the last window."""
+    last = steps[-1] if steps else None
+    if last is None:
+        return None
+    known = last.global_batch is not None and unit != "examples"  # else the units are the examples
+    examples = f"{last.global_batch:,} examples = " if known else ""
+    batch = f"final global batch {examples}{last.window_tokens:,} {unit} (the last window)"
+    if changes:
+        estimate, source = changes[-1].b_simple, f"B_recent at the change after step {changes[-1].step}"
+    elif last.b_simple is not None:
+        estimate, source = last.b_simple, "smoothed over the run, after the last window"
+    else:
+        return f"{batch}; no B_simple estimate"
+    return (
+        f"{batch} is {last.window_tokens / estimate:.2g}x the last B_simple estimate ~ {estimate:,.0f} "
+        f"{unit} ({source})"
+    )
+
+
+def compile_seconds(steps: list[StepRecord]) -> float:
+    """Seconds torch.compile took: each window that compiled, less the median window that did not
+    (a compiling window also did a window's work). Without such a window, the compiling windows'
+    whole time: an upper bound. 0.0 when nothing compiled (eager)."""
+    compiled = [r.step_time_ms for r in steps if r.recompiles]
+    if not compiled:
+        return 0.0
+    plain = [r.step_time_ms for r in steps if not r.recompiles]
+    typical = statistics.median(plain) if plain else 0.0
+    return sum(max(0.0, ms - typical) for ms in compiled) / 1e3
 
 
 def loss_summary(losses: list[float]) -> str:

@@ -8,10 +8,11 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradaccum.check.workload import Workload
 from gradaccum.distributed import dist
 from gradaccum.step.accumulator import CountFn, LossFn
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "held_out_summary"]
 
 
 def evaluate(
@@ -44,3 +45,19 @@ def evaluate(
         model.train(was_training)
     loss_sum, count = dist.all_reduce_sum_(totals).tolist()
     return (loss_sum / count if count else None), int(count)
+
+
+def held_out_summary(workload: Workload) -> dict[str, Any]:
+    """The rows a workload holds out of training for evaluation, when it says (an ``hf:``
+    workload's ``extras``: ``train_rows`` and ``held_out_rows``), with one line in words
+    (``summary``); empty for a workload that makes its own batches. A held-out loss is only worth
+    reading if the run says that its rows were never trained on, and how many there are."""
+    held, trained = workload.extras.get("held_out_rows"), workload.extras.get("train_rows")
+    if not isinstance(held, int) or not isinstance(trained, int):
+        return {}
+    rows = held + trained
+    if held:
+        words = f"evaluation: {held:,} held-out rows of {rows:,}, never trained on"
+    else:
+        words = f"evaluation: none held out, {rows:,} rows are too few to split (evaluation is refused)"
+    return {"held_out_rows": held, "rows": rows, "summary": words}

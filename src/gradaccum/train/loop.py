@@ -54,7 +54,7 @@ from gradaccum.train.checkpoint import (
 )
 from gradaccum.train.config import TrainConfig, TrainError
 from gradaccum.train.data import ShardedStream
-from gradaccum.train.evaluation import evaluate
+from gradaccum.train.evaluation import evaluate, held_out_summary
 from gradaccum.train.records import (
     METRICS_FILE,
     CheckpointRecord,
@@ -450,6 +450,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
             },
             **({} if noise is None else {"noise_scale": {**noise.to_dict(), "critical_batch": words}}),
             **({} if s.batch is None else {"batch_schedule": s.batch.to_dict()}),
+            **({"evaluation": held} if (held := held_out_summary(workload)) else {}),
         },
     )
     write_runcard(card, config.run_dir / RUNCARD_FILE)
@@ -501,6 +502,8 @@ def train(
             checkpoint_schedule=s.checkpoint_schedule,
             run_dir=str(config.run_dir),
             batch_schedule=None if s.batch is None else s.batch.to_dict(),
+            unit=workload.unit,
+            evaluation=held_out_summary(workload).get("summary"),
         )
     )
     meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}

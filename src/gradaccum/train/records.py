@@ -21,6 +21,7 @@ from gradaccum.atomic import atomic_write_text
 from gradaccum.train.batch_schedule import BatchChange
 
 __all__ = [
+    "BATCH_PNG",
     "LOSS_PNG",
     "METRICS_FILE",
     "BatchChange",
@@ -31,6 +32,7 @@ __all__ = [
     "StepRecord",
     "TrainEvent",
     "TrainStart",
+    "batch_figure",
     "loss_figure",
     "plot_loss",
     "read_metrics",
@@ -38,6 +40,8 @@ __all__ = [
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PNG = "loss.png"
+BATCH_PNG = "batch.png"
+"""The global batch and B_simple per window, in the workload's units (with ``--noise-scale``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +73,11 @@ class TrainStart:
     """The run folder."""
     batch_schedule: dict[str, Any] | None = None
     """The batch-size schedule's settings and changes so far (``--batch-schedule critical``)."""
+    unit: str = "tokens"
+    """What the workload's count_fn counts (``Workload.unit``): the unit of B_simple and of the
+    batch in valid units."""
+    evaluation: str | None = None
+    """The rows held out of training for evaluation, in words (an ``hf:`` workload's split)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,6 +213,8 @@ class Recorder:
         self.on_event = on_event
         self.resume_window = resume_window
         self.metrics: MetricsLog | None = None
+        self.unit = "tokens"
+        """What count_fn counts (``TrainStart.unit``), for the batch figure's axis."""
         self._closed = False
 
     @property
@@ -218,7 +229,9 @@ class Recorder:
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE, resume_window=self.resume_window)
 
     def __call__(self, event: TrainEvent) -> None:
-        if not isinstance(event, TrainStart):
+        if isinstance(event, TrainStart):
+            self.unit = event.unit
+        else:
             self.open()
             if self.metrics is not None:
                 self.metrics.write(event)
@@ -232,6 +245,9 @@ class Recorder:
             self.metrics = None
             if importlib.util.find_spec("matplotlib") is not None:
                 plot_loss(self.run_dir / METRICS_FILE, self.run_dir / LOSS_PNG)
+                batch = batch_figure(self.run_dir / METRICS_FILE, self.unit)
+                if batch is not None:
+                    batch.savefig(self.run_dir / BATCH_PNG)
 
 
 def _window_of(line: str) -> int:
@@ -312,6 +328,52 @@ def loss_figure(metrics_path: Path) -> Any:
     if notes:
         title += f" ({'; '.join(notes)})"
     axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    return figure
+
+
+def batch_figure(metrics_path: Path, unit: str = "tokens") -> Any:
+    """The global batch and the B_simple estimates per window of a ``metrics.jsonl``, in ``unit``
+    (what count_fn counts), as a matplotlib ``Figure``; None without a noise-scale estimate.
+
+    The batch is each window's valid units; B_simple the run's smoothed estimate after each window;
+    a batch schedule's own estimate (B_recent over its last windows) is marked where it changed the
+    batch. Logarithmic y: the batch grows by factors, and B_simple is noisy early.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = read_metrics(metrics_path)
+    steps = [r for r in records if r.get("kind") == "step"]
+    estimated = [r for r in steps if r.get("b_simple") is not None and r["b_simple"] > 0]
+    if not estimated:
+        return None
+    changes = [r for r in records if r.get("kind") == "batch"]
+    figure = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    axes.plot(
+        [r["window"] + 1 for r in steps], [r["window_tokens"] for r in steps], label="global batch", lw=1.2
+    )
+    axes.plot(
+        [r["window"] + 1 for r in estimated],
+        [r["b_simple"] for r in estimated],
+        label="B_simple (smoothed over the run)",
+        lw=1,
+    )
+    if changes:
+        axes.plot(
+            [r["window"] + 0.5 for r in changes],
+            [r["b_simple"] for r in changes],
+            "o",
+            label="B_recent where the batch grew",
+        )
+    axes.set_yscale("log")
+    axes.set_xlabel("optimizer boundary (window)")
+    axes.set_ylabel(f"valid {unit} per window")
+    axes.set_title(f"global batch and B_simple, in {unit}")
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
