@@ -12,8 +12,9 @@ class is in ``gradaccum.errors``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gradaccum.lazy import lazy_exports
 
 __version__ = "0.2.0"
 
@@ -151,16 +152,4 @@ _SUBPACKAGES = ("rl",)
 each is itself lazy."""
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"gradaccum.{name}")  # the import binds it as an attribute
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next access is a plain lookup
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), __all__, subpackages=_SUBPACKAGES)

@@ -29,6 +29,7 @@ __all__ = [
     "Normalization",
     "count_examples",
     "count_tokens",
+    "logits_of",
     "summed_cross_entropy",
     "valid_tokens",
 ]
@@ -118,6 +119,24 @@ class _Targets(NamedTuple):
     """An upper bound on the unit indices (rows * seq)."""
     segments: torch.Tensor | None
     """Each input position's document within its row (None without position_ids/document_ids)."""
+
+
+def logits_of(out: Any, rows: torch.Tensor, *, who: str, against: str) -> torch.Tensor:
+    """The logits ``(rows, seq, vocab)`` of a causal LM's output (the tensor itself, or a
+    transformers output's ``.logits``), checked against ``rows`` (the micro-batch's ``against``
+    tensor, ``(rows, seq)``); ``who`` names the loss in the error."""
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise LossError(
+            f"{who}: the model returned {type(out).__name__}; it must return the logits or an output "
+            "with .logits (a transformers CausalLMOutput)"
+        )
+    if logits.ndim != 3 or logits.shape[:2] != rows.shape:
+        raise LossError(
+            f"{who}: logits of shape {tuple(logits.shape)} do not match {against} {tuple(rows.shape)}; "
+            "expected (rows, seq, vocab)"
+        )
+    return logits
 
 
 @document_fields
@@ -212,19 +231,7 @@ class CausalLMLoss:
                 inputs["attention_mask"] = block_causal_mask(
                     targets.segments, given, dtype=_float_dtype(model)
                 )
-        out = model(**inputs)
-        logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
-        if not isinstance(logits, torch.Tensor):
-            raise LossError(
-                f"CausalLMLoss: the model returned {type(out).__name__}; it must return the logits or an "
-                "output with .logits (a transformers CausalLMOutput)"
-            )
-        labels = micro_batch["labels"]
-        if logits.ndim != 3 or logits.shape[:2] != labels.shape:
-            raise LossError(
-                f"CausalLMLoss: logits of shape {tuple(logits.shape)} do not match labels "
-                f"{tuple(labels.shape)}; expected (rows, seq, vocab)"
-            )
+        logits = logits_of(model(**inputs), micro_batch["labels"], who="CausalLMLoss", against="labels")
         if self.shift:
             logits = logits[:, :-1, :]
         flat = logits.reshape(-1, logits.shape[-1])

@@ -233,31 +233,7 @@ def pack(
             target = len(rows) - 1
         rows[target].append(doc)
         room[target] -= len(doc)
-    input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), seq_len), ignore_index, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    for r, docs in enumerate(rows):
-        start = 0
-        for doc in docs:
-            stop = start + len(doc)
-            input_ids[r, start:stop] = torch.tensor(doc)
-            labels[r, start:stop] = torch.tensor(_labels_for(doc, shift, ignore_index))
-            position_ids[r, start:stop] = torch.arange(len(doc))
-            start = stop
-        # the padding is one more document (positions from 0) with no target
-        position_ids[r, start:] = torch.arange(seq_len - start)
-    return Packed(
-        input_ids=input_ids,
-        labels=labels,
-        position_ids=position_ids,
-        attention_mask=None,
-        row_lengths=tuple(tuple(len(d) for d in docs) for docs in rows),
-        seq_len=seq_len,
-        source_documents=cut.source,
-        empty_documents=cut.empty,
-        split_documents=cut.split,
-        truncated_tokens=cut.truncated,
-    )
+    return _lay_out(cut, rows, seq_len, pad_id, ignore_index, shift, packed=True)
 
 
 def pad(
@@ -273,20 +249,43 @@ def pad(
     (the same documents, cut the same way, give the same targets)."""
     require_int("pad_id", pad_id, low=0, error=PlanError)
     cut = pieces(documents, seq_len, overflow)
-    n = len(cut.docs)
-    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((n, seq_len), ignore_index, dtype=torch.long)
-    attention_mask = torch.zeros((n, seq_len), dtype=torch.long)
-    for r, doc in enumerate(cut.docs):
-        input_ids[r, : len(doc)] = torch.tensor(doc)
-        labels[r, : len(doc)] = torch.tensor(_labels_for(doc, shift, ignore_index))
-        attention_mask[r, : len(doc)] = 1
+    return _lay_out(cut, [[doc] for doc in cut.docs], seq_len, pad_id, ignore_index, shift, packed=False)
+
+
+def _lay_out(
+    cut: _Pieces,
+    rows: list[list[list[int]]],
+    seq_len: int,
+    pad_id: int,
+    ignore_index: int,
+    shift: bool,
+    *,
+    packed: bool,
+) -> Packed:
+    """``rows`` of documents, each row's laid left to right and right-padded to ``seq_len``; packed
+    rows carry position ids that restart per document, padded rows (one document each) an attention
+    mask. The counts of ``cut`` go with them."""
+    input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), seq_len), ignore_index, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    for r, docs in enumerate(rows):
+        start = 0
+        for doc in docs:
+            stop = start + len(doc)
+            input_ids[r, start:stop] = torch.tensor(doc)
+            labels[r, start:stop] = torch.tensor(_labels_for(doc, shift, ignore_index))
+            position_ids[r, start:stop] = torch.arange(len(doc))
+            start = stop
+        attention_mask[r, :start] = 1
+        # the padding is one more document (positions from 0) with no target
+        position_ids[r, start:] = torch.arange(seq_len - start)
     return Packed(
         input_ids=input_ids,
         labels=labels,
-        position_ids=None,
-        attention_mask=attention_mask,
-        row_lengths=tuple((len(doc),) for doc in cut.docs),
+        position_ids=position_ids if packed else None,
+        attention_mask=None if packed else attention_mask,
+        row_lengths=tuple(tuple(len(d) for d in docs) for docs in rows),
         seq_len=seq_len,
         source_documents=cut.source,
         empty_documents=cut.empty,

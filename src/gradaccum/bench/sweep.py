@@ -275,22 +275,12 @@ def comm_of(c: ConfigSummary) -> CommModel | None:
     if c.spec.max_tokens is not None and not c.spec.defer_sync:
         return None  # k varies per update: the model of k syncs does not apply
     if c.spec.fsdp:
-        if c.reduce_scatter_bytes_per_sync is None:
-            return None
-        return comm_model(
-            c.reduce_scatter_bytes_per_sync,
-            c.spec.accum_steps,
-            defer_sync=c.spec.defer_sync,
-            measured_bytes=c.reduce_scatter_bytes_per_update,
-        )
-    if c.gradient_bytes is None:
+        per_sync, measured = c.reduce_scatter_bytes_per_sync, c.reduce_scatter_bytes_per_update
+    else:
+        per_sync, measured = c.gradient_bytes, c.allreduce_bytes_per_update
+    if per_sync is None:
         return None
-    return comm_model(
-        c.gradient_bytes,
-        c.spec.accum_steps,
-        defer_sync=c.spec.defer_sync,
-        measured_bytes=c.allreduce_bytes_per_update,
-    )
+    return comm_model(per_sync, c.spec.accum_steps, defer_sync=c.spec.defer_sync, measured_bytes=measured)
 
 
 def advised_runcard(

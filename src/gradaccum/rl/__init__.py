@@ -9,8 +9,9 @@ imported on first use, like ``gradaccum``'s.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gradaccum.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "PolicyLoss": "gradaccum.rl.policy",
@@ -41,14 +42,4 @@ if TYPE_CHECKING:
     from gradaccum.rl.rollout import ROLLOUT_NORMALIZATIONS, RolloutUpdate, rollout_updates
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gradaccum.rl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), __all__)

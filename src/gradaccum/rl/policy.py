@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum.errors import ConfigError, CountError, LossError
+from gradaccum.errors import ConfigError, CountError
 from gradaccum.fielddocs import document_fields
+from gradaccum.loss import logits_of
 from gradaccum.rl.aggregation import AGGREGATIONS, Aggregation, token_weights, unit_count, unit_name
 from gradaccum.rl.inputs import MODEL_KEYS, policy_inputs
 from gradaccum.rl.objective import per_token_loss, token_logprobs
@@ -148,16 +149,4 @@ class PolicyLoss:
 def model_logits(model: nn.Module, micro_batch: Any, who: str) -> torch.Tensor:
     """Call ``model`` on the micro-batch's model keys; its logits ``(rows, seq, vocab)``."""
     out = model(**{key: micro_batch[key] for key in MODEL_KEYS if key in micro_batch})
-    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
-    if not isinstance(logits, torch.Tensor):
-        raise LossError(
-            f"{who}: the model returned {type(out).__name__}; it must return the logits or an output "
-            "with .logits (a transformers CausalLMOutput)"
-        )
-    ids = micro_batch["input_ids"]
-    if logits.ndim != 3 or logits.shape[:2] != ids.shape:
-        raise LossError(
-            f"{who}: logits of shape {tuple(logits.shape)} do not match input_ids {tuple(ids.shape)}; "
-            "expected (rows, seq, vocab)"
-        )
-    return logits
+    return logits_of(out, micro_batch["input_ids"], who=who, against="input_ids")

@@ -8,8 +8,9 @@ submodule may share an exported name (importing ``gradaccum.train.X`` binds ``X`
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gradaccum.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "BatchChange": "gradaccum.train.batch_schedule",
@@ -120,14 +121,4 @@ if TYPE_CHECKING:
     from gradaccum.train.spec import TrainSpec
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next access is a plain lookup
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), __all__)

@@ -109,22 +109,20 @@ def _check_folder(folder: Path) -> tuple[bool, list[str]]:
 
 
 def _load_tokenizer(transformers: Any, folder: Path) -> Any:
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:
-        raise WorkloadError(
-            f"cannot load the tokenizer of {str(folder)!r}: {type(exc).__name__}: {exc}. Save a fast "
-            "tokenizer there with tokenizer.save_pretrained(MODEL_DIR)"
-        ) from None
+    fix = ". Save a fast tokenizer there with tokenizer.save_pretrained(MODEL_DIR)"
+    return _from_pretrained(transformers.AutoTokenizer, folder, "load the tokenizer", fix)
 
 
 def _load_config(transformers: Any, folder: Path) -> Any:
+    return _from_pretrained(transformers.AutoConfig, folder, "read the config", "")
+
+
+def _from_pretrained(auto: Any, folder: Path, what: str, fix: str) -> Any:
+    """``auto.from_pretrained`` of the local folder; any failure as a WorkloadError naming it."""
     try:
-        return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        return auto.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:
-        raise WorkloadError(
-            f"cannot read the config of {str(folder)!r}: {type(exc).__name__}: {exc}"
-        ) from None
+        raise WorkloadError(f"cannot {what} of {str(folder)!r}: {type(exc).__name__}: {exc}{fix}") from None
 
 
 def _model_builder(transformers: Any, folder: Path, config: Any, weights: bool) -> Callable[[], nn.Module]:
