@@ -45,14 +45,7 @@ def _oom_loss(model: nn.Module, micro_batch: Any) -> torch.Tensor:
 
 def oom_mlp() -> Workload:
     """``tiny_mlp`` whose forward fails like a CUDA OOM at micro-batches >= ``OOM_FROM``."""
-    return Workload(
-        name="oom_mlp",
-        build_model=_mlp,
-        make_batch=lambda n, seed: models.mlp_batch(n, seed),
-        loss_fn=_oom_loss,
-        count_fn=models.count_rows,
-        unit="examples",
-    )
+    return dataclasses.replace(tiny_mlp(), name="oom_mlp", loss_fn=_oom_loss)
 
 
 def _nan_every_other(n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -64,14 +57,7 @@ def _nan_every_other(n: int, seed: int) -> dict[str, torch.Tensor]:
 
 def nan_mlp() -> Workload:
     """``tiny_mlp`` whose batches drawn with an even seed hold a NaN: those updates are skipped."""
-    return Workload(
-        name="nan_mlp",
-        build_model=_mlp,
-        make_batch=_nan_every_other,
-        loss_fn=models.mlp_loss,
-        count_fn=models.count_rows,
-        unit="examples",
-    )
+    return dataclasses.replace(tiny_mlp(), name="nan_mlp", make_batch=_nan_every_other)
 
 
 def _fails_on_rank_1() -> nn.Module:
@@ -84,14 +70,7 @@ def _fails_on_rank_1() -> nn.Module:
 
 def rank1_fails() -> Workload:
     """``tiny_mlp`` whose model cannot be built on rank 1: rank 0 would wait for it forever."""
-    return Workload(
-        name="rank1_fails",
-        build_model=_fails_on_rank_1,
-        make_batch=lambda n, seed: models.mlp_batch(n, seed),
-        loss_fn=models.mlp_loss,
-        count_fn=models.count_rows,
-        unit="examples",
-    )
+    return dataclasses.replace(tiny_mlp(), name="rank1_fails", build_model=_fails_on_rank_1)
 
 
 def _mean_loss(model: nn.Module, micro_batch: Any) -> torch.Tensor:
@@ -101,14 +80,7 @@ def _mean_loss(model: nn.Module, micro_batch: Any) -> torch.Tensor:
 
 def mean_mlp() -> Workload:
     """``tiny_mlp`` with a per-micro-batch mean loss: accumulation is not exact, verify must fail."""
-    return Workload(
-        name="mean_mlp",
-        build_model=_mlp,
-        make_batch=lambda n, seed: models.mlp_batch(n, seed),
-        loss_fn=_mean_loss,
-        count_fn=models.count_rows,
-        unit="examples",
-    )
+    return dataclasses.replace(tiny_mlp(), name="mean_mlp", loss_fn=_mean_loss)
 
 
 def dropout_gpt() -> Workload:

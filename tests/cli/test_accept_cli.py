@@ -92,12 +92,33 @@ def in_process_launching(dp: int, timeout_s: float) -> Launching:
     return Launching(launch, dp, 0, False)
 
 
+def _accept_in_process(
+    monkeypatch: pytest.MonkeyPatch,
+    out_dir: Path,
+    *,
+    candidate: str = "2x4",
+    workload: str = "tests.bench.workloads:tiny_mlp",
+) -> list[str]:
+    """accept's arguments for baseline 4x2 against ``candidate``, its runs measured in this process."""
+    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
+    workload_flag = ["--workload", workload]
+    return [
+        "accept",
+        *workload_flag,
+        "--baseline",
+        "4x2",
+        "--candidate",
+        candidate,
+        "--out-dir",
+        str(out_dir),
+        *FAST,
+    ]
+
+
 def test_require_adopt_exits_1_when_the_candidate_is_not_adopted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
-    workload = ["--workload", "tests.bench.workloads:tiny_mlp"]
-    args = ["accept", *workload, "--baseline", "4x2", "--candidate", "2x4", "--out-dir", str(tmp_path), *FAST]
+    args = _accept_in_process(monkeypatch, tmp_path)
     # a gain of 10^6 cannot be met, nor reached by the interval of three noisy runs (a 1000% margin
     # was: t(2) = 4.3 over short runs on a loaded machine reached it once, INCONCLUSIVE): KEEP
     # BASELINE, which --require-adopt turns into exit 1
@@ -111,9 +132,7 @@ def test_require_adopt_exits_1_when_the_candidate_is_not_adopted(
 def test_failed_equivalence_exits_1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
-    workload = ["--workload", "tests.bench.workloads:mean_mlp"]
-    args = ["accept", *workload, "--baseline", "4x2", "--candidate", "2x4", "--out-dir", str(tmp_path), *FAST]
+    args = _accept_in_process(monkeypatch, tmp_path, workload="tests.bench.workloads:mean_mlp")
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "equivalence checks failed" in out and "KEEP BASELINE" in out
@@ -136,9 +155,7 @@ def test_too_short_a_measurement_is_refused_saying_why(
 def test_an_a_a_comparison_is_allowed_as_a_noise_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
-    workload = ["--workload", "tests.bench.workloads:tiny_mlp"]
-    args = ["accept", *workload, "--baseline", "4x2", "--candidate", "4x2", "--out-dir", str(tmp_path), *FAST]
+    args = _accept_in_process(monkeypatch, tmp_path, candidate="4x2")
     # deterministic: no A/A can reach a gain of 10^6 (at 3 % one adopted by chance about 1 % of the
     # time), so the verdict is KEEP BASELINE whatever the machine's noise; the verdict's own tests
     # show an A/A is never adopted at 3 % from made-up ratios
@@ -152,9 +169,7 @@ def test_an_a_a_comparison_is_allowed_as_a_noise_check(
 def test_the_printed_figures_are_recomputed_from_results_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
-    workload = ["--workload", "tests.bench.workloads:tiny_mlp"]
-    args = ["accept", *workload, "--baseline", "4x2", "--candidate", "2x4", "--out-dir", str(tmp_path), *FAST]
+    args = _accept_in_process(monkeypatch, tmp_path)
     code = main(args)
     out = capsys.readouterr().out
     folder = only_folder(tmp_path)

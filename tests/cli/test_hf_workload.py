@@ -16,15 +16,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from gradaccum.bench.measure import measure_paired_safely, measure_safely
-from gradaccum.bench.spec import MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.check.workload import load_workload
 from gradaccum.cli import cmd_accept
-from gradaccum.cli.common import Launching
 from gradaccum.cli.main import main
 from gradaccum.errors import WorkloadError
 from gradaccum.runcard import read_runcard
 from gradaccum.workloads import HFSpec
+from tests.cli.test_accept_cli import in_process_launching
 from tests.helpers import hf
 
 SEQ = ["--seq-len", "32"]
@@ -113,20 +111,10 @@ def test_scan_reads_the_default_seq_len_from_the_model(
     assert "scan of hf:weights (LlamaForCausalLM" in out
 
 
-def _in_process(dp: int, timeout_s: float) -> Launching:
-    def launch(spec: MeasureSpec | PairedSpec, run_index: int) -> RunRecord | PairedRecord:
-        # the spec string is all a worker gets: rebuild the workload from it
-        if isinstance(spec, PairedSpec):
-            return measure_paired_safely(load_workload(spec.baseline.workload), spec, run_index=run_index)
-        return measure_safely(load_workload(spec.workload), spec, run_index=run_index)
-
-    return Launching(launch, dp, 0, False)
-
-
 def test_accept_end_to_end_writes_a_card_that_rebuilds_the_workload(
     files: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cmd_accept, "make_launching", _in_process)
+    monkeypatch.setattr(cmd_accept, "make_launching", in_process_launching)
     data = [
         "--data",
         str(files["jsonl"]),

@@ -73,28 +73,35 @@ def test_unknown_workload_path_exits_2(
         assert message in err and out == ""
 
 
-def test_workload_returning_the_wrong_type_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(capsys, "verify", "--workload", "tests.cli.test_verify_cli:not_a_workload")
-    assert code == 2
-    assert "returned dict; it must return gradaccum.Workload" in err
-
-
-def test_micro_batch_that_does_not_divide_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(capsys, "verify", "--micro-batch", "3")
+@pytest.mark.parametrize(
+    ("argv", "messages"),
+    [
+        (
+            ["--workload", "tests.cli.test_verify_cli:not_a_workload"],
+            ["returned dict; it must return gradaccum.Workload"],
+        ),
+        (
+            ["--micro-batch", "3"],
+            [
+                "--micro-batch 3 does not divide the batch of 8 examples of workload 'tiny_gpt'",
+                "use a divisor of 8 (1, 2, 4, 8) or an explicit partition such as --sizes 3,3,2",
+            ],
+        ),
+        (
+            ["--sizes", "1,3"],
+            ["--sizes 1,3 sums to 4, but workload 'tiny_gpt' verifies on a batch of 8 examples"],
+        ),
+        (["--trace-steps", "51"], ["at most 50"]),
+    ],
+    ids=["wrong-type", "micro-batch-not-dividing", "partition-short", "trace-too-long"],
+)
+def test_bad_verify_settings_exit_2_naming_the_fix(
+    argv: list[str], messages: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(capsys, "verify", *argv)
     assert code == 2 and out == ""
-    assert "--micro-batch 3 does not divide the batch of 8 examples of workload 'tiny_gpt'" in err
-    assert "use a divisor of 8 (1, 2, 4, 8) or an explicit partition such as --sizes 3,3,2" in err
-
-
-def test_partition_that_does_not_cover_the_batch_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(capsys, "verify", "--sizes", "1,3")
-    assert code == 2
-    assert "--sizes 1,3 sums to 4, but workload 'tiny_gpt' verifies on a batch of 8 examples" in err
-
-
-def test_trace_window_longer_than_declared_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(capsys, "verify", "--trace-steps", "51")
-    assert code == 2 and "at most 50" in err
+    for message in messages:
+        assert message in err
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import torch.nn as nn
 from gradaccum import count_examples, count_tokens, scan, summed_cross_entropy, verify
 from gradaccum.check.audit import audit_count
 from gradaccum.check.controls import randomness_off
+from tests.integrations import common
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,22 +22,9 @@ VOCAB, SEQ = 40, 12
 
 
 def gpt2(dropout: float = 0.1) -> nn.Module:
-    """A tiny transformers GPT-2 from a config (nothing downloaded), with the library's default
-    dropout of 0.1 unless told otherwise, in float64."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config).double()
+    """A tiny transformers GPT-2 with the library's default dropout of 0.1 unless told otherwise."""
+    torch.manual_seed(0)  # the tests' dropout draws start from here
+    return common.gpt2(0, dropout, layers=2, vocab=VOCAB, positions=SEQ)
 
 
 def batch(n: int = 8, seed: int = 3) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,28 +39,48 @@ def write_jsonl(path: Path, documents: list[str], field: str = "body") -> Path:
     return path
 
 
-def make_model_folder(folder: Path, *, weights: bool, seed: int = 1, max_positions: int = 64) -> Path:
+def word_tokenizer(words: tuple[str, ...] | list[str], *, eos: bool = False) -> Any:
+    """A word-level ``PreTrainedTokenizerFast`` over ``words``: ``[PAD]`` is id 0, ``[UNK]`` 1 and,
+    with ``eos``, ``[EOS]`` 2."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    folder.mkdir(parents=True, exist_ok=True)
     raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]")
-    tokenizer.save_pretrained(folder)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    special = ["[PAD]", "[UNK]", *(["[EOS]"] if eos else [])]
+    raw.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=special))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]", **({"eos_token": "[EOS]"} if eos else {})
+    )
+
+
+def tiny_llama_config(
+    vocab_size: int, *, layers: int = 2, max_positions: int = 64, eos_token_id: int | None = None
+) -> Any:
+    """A Llama of width 16 (2 heads, MLP 32), padding id 0 and no BOS."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
         pad_token_id=0,
         bos_token_id=None,
-        eos_token_id=None,
+        eos_token_id=eos_token_id,
     )
+
+
+def make_model_folder(folder: Path, *, weights: bool, seed: int = 1, max_positions: int = 64) -> Path:
+    from transformers import LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = word_tokenizer(WORDS)
+    tokenizer.save_pretrained(folder)
+    config = tiny_llama_config(len(tokenizer), max_positions=max_positions)
     if weights:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -21,16 +21,19 @@ LENGTHS = (3, 9, 5, 12, 2, 7, 11, 4, 6, 10, 1, 8, 12, 3, 5, 9)
 """Sequence lengths (padded to the longest in each collated batch): uneven token counts on purpose."""
 
 
-def gpt2(seed: int = 0, dropout: float = 0.0) -> nn.Module:
-    """A one-layer GPT-2 in float64, the same weights for the same seed."""
+def gpt2(
+    seed: int = 0, dropout: float = 0.0, *, layers: int = 1, vocab: int = VOCAB, positions: int = 32
+) -> nn.Module:
+    """A tiny GPT-2 (width 16, 2 heads; one layer unless told) in float64, from a config (nothing
+    downloaded), the same weights for the same seed."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=1,
+        n_layer=layers,
         n_embd=16,
         n_head=2,
-        vocab_size=VOCAB,
-        n_positions=32,
+        vocab_size=vocab,
+        n_positions=positions,
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,

@@ -218,16 +218,22 @@ class PaddedMeanTrainer(ExactTrainer):
         return summed / labels.numel()
 
 
-def test_verify_accumulation_passes_on_the_exact_trainer(tmp_path: Path) -> None:
-    model = common.gpt2(dropout=0.1)  # dropout on: the check switches it off in its own copies
-    before = common.params(model)
-    trainer = ExactTrainer(
+def _gpt2_trainer(cls: Any, model: torch.nn.Module, tmp_path: Path, exact: ExactConfig | None = None) -> Any:
+    """``cls`` on K x M of the tests' sequences, collated as GPT-2 takes them."""
+    extra = {} if exact is None else {"exact": exact}
+    return cls(
         model=model,
         args=training_args(tmp_path),
         train_dataset=common.sequences(K * M),
         data_collator=common.collate,
+        **extra,
     )
-    report = trainer.verify_accumulation()
+
+
+def test_verify_accumulation_passes_on_the_exact_trainer(tmp_path: Path) -> None:
+    model = common.gpt2(dropout=0.1)  # dropout on: the check switches it off in its own copies
+    before = common.params(model)
+    report = _gpt2_trainer(ExactTrainer, model, tmp_path).verify_accumulation()
     assert report.passed, report.likely_causes
     assert report.sizes == (M,) * K and report.grad_max_rel_err < 1e-10
     assert report.candidate == "ExactTrainer.training_step"
@@ -235,13 +241,7 @@ def test_verify_accumulation_passes_on_the_exact_trainer(tmp_path: Path) -> None
 
 
 def test_verify_accumulation_names_a_wrong_compute_loss(tmp_path: Path) -> None:
-    trainer = PaddedMeanTrainer(
-        model=common.gpt2(),
-        args=training_args(tmp_path),
-        train_dataset=common.sequences(K * M),
-        data_collator=common.collate,
-    )
-    report = trainer.verify_accumulation()
+    report = _gpt2_trainer(PaddedMeanTrainer, common.gpt2(), tmp_path).verify_accumulation()
     assert not report.passed and report.grad_max_rel_err > 1e-3
     first = report.likely_causes[0]
     assert "PaddedMeanTrainer.compute_loss ignores num_items_in_batch" in first
@@ -251,13 +251,7 @@ def test_verify_accumulation_names_a_wrong_compute_loss(tmp_path: Path) -> None:
 def test_verify_at_start_stops_training_before_the_first_update(tmp_path: Path) -> None:
     model = common.gpt2()
     before = common.params(model)
-    trainer = PaddedMeanTrainer(
-        model=model,
-        args=training_args(tmp_path),
-        train_dataset=common.sequences(K * M),
-        data_collator=common.collate,
-        exact=ExactConfig(verify_at_start=True),
-    )
+    trainer = _gpt2_trainer(PaddedMeanTrainer, model, tmp_path, exact=ExactConfig(verify_at_start=True))
     with pytest.raises(EquivalenceError, match="before training.*ignores num_items_in_batch"):
         trainer.train()
     assert trainer.state.global_step == 0

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+
+from tests.helpers.hf import tiny_llama_config, word_tokenizer
 
 WORDS = [
     "the",
@@ -42,30 +44,11 @@ MAX_COMPLETION = 6
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    special = ["[PAD]", "[UNK]", "[EOS]"]
-    raw.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=special))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
-    )
+    return cast(PreTrainedTokenizerFast, word_tokenizer(WORDS, eos=True))
 
 
 def model(tok: PreTrainedTokenizerFast) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=2,
-    )
+    config = tiny_llama_config(len(tok), layers=1, eos_token_id=2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return LlamaForCausalLM(config).to(torch.float64)

@@ -69,6 +69,16 @@ def _config(run_dir: Path, **kw: Any) -> TrainConfig:
     return TrainConfig(**settings)
 
 
+def _untimed(run_dir: Path) -> list[dict[str, Any]]:
+    """The step and batch records of a run without their timings: what two runs must share."""
+    timing = ("step_time_ms", "tokens_per_s")
+    return [
+        {k: v for k, v in r.items() if k not in timing}
+        for r in read_metrics(run_dir / "metrics.jsonl")
+        if r["kind"] in ("step", "batch")
+    ]
+
+
 def _records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == kind]
 
@@ -153,15 +163,8 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bitwise_across_a_batch_change
     assert all(torch.equal(got[name], want[name]) for name in want)
     assert resumed.noise_scale == whole.noise_scale
 
-    def same(run_dir: Path) -> list[dict[str, Any]]:
-        timing = ("step_time_ms", "tokens_per_s")
-        return [
-            {k: v for k, v in r.items() if k not in timing}
-            for r in read_metrics(run_dir / "metrics.jsonl")
-            if r["kind"] in ("step", "batch")
-        ]
-
-    assert same(tmp_path / "cut") == same(tmp_path / "whole")  # the same decisions, in the same windows
+    # the same decisions, in the same windows
+    assert _untimed(tmp_path / "cut") == _untimed(tmp_path / "whole")
 
 
 def test_a_checkpoint_with_a_schedule_resumes_only_with_the_same_schedule(tmp_path: Path) -> None:
@@ -291,15 +294,7 @@ def test_a_run_card_replays_the_schedule(tmp_path: Path, capsys: pytest.CaptureF
     assert main([*replay, "--checkpoint-every", "0", "--run-dir", str(tmp_path / "again")]) == 0
     assert "from run card: batch schedule critical, up to 64" in capsys.readouterr().out
 
-    def same(run_dir: Path) -> list[dict[str, Any]]:
-        timing = ("step_time_ms", "tokens_per_s")
-        return [
-            {k: v for k, v in r.items() if k not in timing}
-            for r in read_metrics(run_dir / "metrics.jsonl")
-            if r["kind"] in ("step", "batch")
-        ]
-
-    assert same(tmp_path / "again") == same(tmp_path / "first")
+    assert _untimed(tmp_path / "again") == _untimed(tmp_path / "first")
     # beside the card, a batch flag would change what it fixes: refused, naming the card's value
     assert main([*replay, "--max-global-batch", "128", "--run-dir", str(tmp_path / "third")]) == 2
     err = " ".join(capsys.readouterr().err.split())

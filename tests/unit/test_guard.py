@@ -326,28 +326,24 @@ def test_everything_is_restored_even_after_an_exception() -> None:
 
     opt.zero_grad = own  # type: ignore[method-assign]
     utils, clip_mod = torch.nn.utils, torch.nn.utils.clip_grad
-    before = (
-        torch.autograd.backward,
-        utils.clip_grad_norm_,
-        utils.clip_grad_value_,
-        utils.clip_grads_with_norm_,
-        clip_mod.clip_grad_norm_,
-        dict(vars(model)),
-        dict(vars(sched)),
-        dict(vars(scaler)),
-    )
+
+    def patched() -> tuple[Any, ...]:
+        """What the guard patches while it is open: the hooks and the objects' attributes."""
+        return (
+            torch.autograd.backward,
+            utils.clip_grad_norm_,
+            utils.clip_grad_value_,
+            utils.clip_grads_with_norm_,
+            clip_mod.clip_grad_norm_,
+            dict(vars(model)),
+            dict(vars(sched)),
+            dict(vars(scaler)),
+        )
+
+    before = patched()
     with pytest.raises(RuntimeError, match="boom"), guard(model, opt, K, scheduler=sched, scaler=scaler):
         raise RuntimeError("boom")
-    after = (
-        torch.autograd.backward,
-        utils.clip_grad_norm_,
-        utils.clip_grad_value_,
-        utils.clip_grads_with_norm_,
-        clip_mod.clip_grad_norm_,
-        dict(vars(model)),
-        dict(vars(sched)),
-        dict(vars(scaler)),
-    )
+    after = patched()
     assert all(a is b or a == b for a, b in zip(after, before, strict=True))
     assert vars(opt)["zero_grad"] is own
     # hooks are gone too: a broken loop after exit reaches no guard
