@@ -28,20 +28,12 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-# Known edges that close a circle, each to be deleted with the import that makes it; nothing else.
-KNOWN_CIRCLE_EDGES = {
-    # step/engine.py imports integrations.accelerate inside Accumulator construction, and
-    # integrations/accelerate.py -> step/accumulator.py -> step/engine.py closes the circle.
-    ("gradaccum.step.engine", "gradaccum.integrations.accelerate"),
-}
-
-
 def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     """Every import statement in the module: at module level and inside functions and classes."""
     return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
 
 
-def _graph(*, allow_known: bool = True) -> dict[str, set[str]]:
+def _graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -57,11 +49,7 @@ def _graph(*, allow_known: bool = True) -> dict[str, set[str]]:
                     base = ".".join([*anchor, *([base] if base else [])])
                 for alias in node.names:
                     edges.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-        graph[name] = {
-            e
-            for e in edges
-            if e in modules and e != name and not (allow_known and (name, e) in KNOWN_CIRCLE_EDGES)
-        }
+        graph[name] = {e for e in edges if e in modules and e != name}
     return graph
 
 
@@ -109,13 +97,6 @@ def test_the_graph_sees_gradaccums_imports() -> None:
     assert "gradaccum.workloads.base" in graph["gradaccum.check.workload"]
     # an import inside a function is an edge too (cmd_scan imports the scanner where it runs)
     assert "gradaccum.hazards.scanner" in graph["gradaccum.cli.cmd_scan"]
-
-
-def test_every_known_circle_edge_still_exists() -> None:
-    """An allowed edge whose import is gone must leave the list, so the list cannot hide a new one."""
-    graph = _graph(allow_known=False)
-    gone = [(a, b) for a, b in KNOWN_CIRCLE_EDGES if b not in graph[a]]
-    assert not gone, f"delete these from KNOWN_CIRCLE_EDGES, their imports are gone: {gone}"
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
