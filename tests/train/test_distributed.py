@@ -142,14 +142,21 @@ def _params(path: str) -> dict[str, torch.Tensor]:
     return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=True)["model"]
 
 
-def test_ddp_training_equals_single_process_on_the_same_global_batch(ranks: Any, single: Any) -> None:
+def _equals_single_process(ranks: Any, single: Any, layout: str) -> dict[str, torch.Tensor]:
+    """The ``layout`` run's final parameters, checked against one process's after the same steps, and
+    its evaluation: one all-reduced figure, identical on every rank."""
     _, (r0, r1) = ranks
     want, want_eval = single
-    got = _params(r0["ddp_checkpoint"])
+    got = _params(r0[f"{layout}_checkpoint"])
     err = max_rel_err(got, want)
-    assert err < REL_PARAMS, f"DDP vs one process after {STEPS} steps: max relative error {err:.2e}"
-    assert r0["ddp_eval"] == r1["ddp_eval"]  # one all-reduced figure, identical on every rank
-    assert r0["ddp_eval"] == pytest.approx(want_eval, rel=REL)
+    assert err < REL_PARAMS, f"{layout} vs one process after {STEPS} steps: max relative error {err:.2e}"
+    assert r0[f"{layout}_eval"] == r1[f"{layout}_eval"]
+    assert r0[f"{layout}_eval"] == pytest.approx(want_eval, rel=REL)
+    return got
+
+
+def test_ddp_training_equals_single_process_on_the_same_global_batch(ranks: Any, single: Any) -> None:
+    _equals_single_process(ranks, single, "ddp")
 
 
 def test_ddp_stop_on_one_rank_mid_window_stops_all_and_resumes_exactly(ranks: Any) -> None:
@@ -161,12 +168,8 @@ def test_ddp_stop_on_one_rank_mid_window_stops_all_and_resumes_exactly(ranks: An
 
 
 def test_fsdp2_training_equals_single_process_and_resumes_exactly(ranks: Any, single: Any) -> None:
-    _, (r0, r1) = ranks
-    want, want_eval = single
-    got = _params(r0["fsdp_checkpoint"])
-    err = max_rel_err(got, want)
-    assert err < REL_PARAMS, f"FSDP2 vs one process: max relative error {err:.2e}"
-    assert r0["fsdp_eval"] == r1["fsdp_eval"] and r0["fsdp_eval"] == pytest.approx(want_eval, rel=REL)
+    got = _equals_single_process(ranks, single, "fsdp")
+    _, (r0, _) = ranks
     again = _params(r0["fsdp_again_checkpoint"])
     for name in got:
         assert torch.equal(again[name], got[name]), name
