@@ -23,7 +23,6 @@ the run before it trains or writes anything. The loop prints nothing: it hands r
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -42,21 +41,15 @@ from gradaccum.step.noise import NoiseScale
 from gradaccum.train.batch_schedule import BatchChange, CriticalBatchSchedule
 from gradaccum.train.build import build_model, build_optimizer
 from gradaccum.train.checkpoint import (
-    ResumePoint,
     TrainProgress,
-    checkpoint_problem,
-    checkpoints_of,
     load_checkpoint,
     remove_partial_checkpoints,
-    resolve_checkpoint,
-    run_folder_of,
     save_checkpoint,
 )
 from gradaccum.train.config import TrainConfig, TrainError
 from gradaccum.train.data import ShardedStream
 from gradaccum.train.evaluation import evaluate, held_out_summary
 from gradaccum.train.records import (
-    METRICS_FILE,
     CheckpointRecord,
     EvalRecord,
     Recorder,
@@ -64,11 +57,10 @@ from gradaccum.train.records import (
     TrainEvent,
     TrainStart,
 )
+from gradaccum.train.run_folder import RUNCARD_FILE, check_run_folder
 from gradaccum.train.schedule import Schedule, apply_lr, resolve_schedule
 
 __all__ = ["RUNCARD_FILE", "TrainControl", "TrainResult", "train"]
-
-RUNCARD_FILE = "runcard.json"
 
 
 class TrainControl:
@@ -171,61 +163,6 @@ class _Session:
     batch: CriticalBatchSchedule | None = None
 
 
-_RUN_FILES = (RUNCARD_FILE, METRICS_FILE)
-
-
-def _run_files(run_dir: Path) -> list[str]:
-    """What of a run ``run_dir`` already holds (its records, any checkpoint folder)."""
-    found = [name for name in _RUN_FILES if (run_dir / name).exists()]
-    if checkpoints_of(run_dir):
-        found.append("checkpoints/")
-    return found
-
-
-def _check_run_folder(config: TrainConfig) -> ResumePoint | None:
-    """Refuse to write over another run's files; the verified checkpoint to resume from, if any.
-
-    A fresh run needs a folder without records or checkpoints. A resumed run continues its own
-    folder, from its newest intact checkpoint (resuming an older one while a newer intact one
-    exists would fork the run and leave two histories in one folder), or starts a new folder.
-    """
-    run_dir = Path(config.run_dir)
-    if config.resume is None:
-        found = _run_files(run_dir)
-        if found:
-            raise TrainError(
-                f"run folder {run_dir} already holds another run ({', '.join(found)}); continue it with "
-                f"--resume auto --run-dir {run_dir}, or train into a new folder (another --run-dir)"
-            )
-        return None
-    point = resolve_checkpoint(config.resume)
-    source = run_folder_of(point.path)
-    if _same_path(source, run_dir):
-        passed_over = {folder for folder, _ in point.skipped}
-        folders = checkpoints_of(run_dir)
-        newer = folders[: folders.index(point.path)] if point.path in folders else []
-        newest = next((f for f in newer if f not in passed_over and not checkpoint_problem(f)), None)
-        if newest is not None:
-            raise TrainError(
-                f"run folder {run_dir} holds a newer intact checkpoint ({newest.name}) than "
-                f"{point.path.name}: resuming the older one would give the run two histories. Resume "
-                f"{newest} (--resume auto), or resume {point.path.name} into a new folder (another "
-                "--run-dir)"
-            )
-    else:
-        found = _run_files(run_dir)
-        if found:
-            raise TrainError(
-                f"run folder {run_dir} already holds another run ({', '.join(found)}); resume "
-                f"{point.path} into its own run folder {source} or into a new one (another --run-dir)"
-            )
-    return point
-
-
-def _same_path(a: Path, b: Path) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
 def _setup(config: TrainConfig, workload: Workload) -> _Session:
     """Model, optimizer, scaler and data for this rank; restored from a checkpoint when resuming."""
     world, rank = dist.world_size(), dist.rank()
@@ -234,7 +171,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
             f"the plan has dp={config.plan.dp} data-parallel replicas but {world} process(es) are "
             f"running; launch {config.plan.dp} processes or solve the plan for dp={world}"
         )
-    point = _check_run_folder(config)
+    point = check_run_folder(config)
     device = torch.device(config.device)
     torch.manual_seed(config.seed)  # dropout and other model randomness; the data has its own seeds
     model = build_model(workload, config, device)
