@@ -14,6 +14,9 @@ import torch
 import torch.nn as nn
 
 from gradaccum.errors import ConfigError
+from gradaccum.moe.balancer import WindowBalance
+from gradaccum.moe.runner import balanced_forward, balancer_for, routing_forward
+from gradaccum.moe.spec import LoadBalance
 from gradaccum.step.checks import check_loss, unmean
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
@@ -68,6 +71,7 @@ class Accumulator(EngineFace):
         on_step: Sequence[Callable[[StepResult], None]] = (),
         observer: Observer | None = None,
         backward: Backward | None = None,
+        balance: LoadBalance | None = None,
         **settings: Any,
     ) -> None:
         """``settings``: :class:`AccumConfig`'s fields as keywords (``loss_reduction``,
@@ -76,11 +80,14 @@ class Accumulator(EngineFace):
         (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; ``mesh_dims`` maps other names), instead of
         ``dp_group``: N is summed over the data dimensions only (see :mod:`gradaccum.mesh`). ``backward``: how
         a micro-batch's scaled loss is backpropagated (``Tensor.backward`` by default; Lightning's
-        ``manual_backward`` in :func:`gradaccum.integrations.lightning.window_step`)."""
+        ``manual_backward`` in :func:`gradaccum.integrations.lightning.window_step`). ``balance``:
+        an MoE load balance (:class:`gradaccum.moe.LoadBalance`); ``loss_fn`` then returns the summed
+        cross-entropy only, and the step adds each micro-batch's part of the window's balancing term."""
         if max_grad_norm is not None:  # the one setting also taken positionally; None = not given
             settings["max_grad_norm"] = max_grad_norm
         config = AccumConfig.resolve(config, settings)
         engine = PostScalingEngine if config.scaling == "post" else WindowEngine
+        balancer = balancer_for(balance, model, config)
         self._host_scales: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
         self._engine: WindowEngine = engine(
             model,
@@ -94,6 +101,7 @@ class Accumulator(EngineFace):
             on_step=on_step,
             observer=observer,
             backward=backward,
+            balance=balancer,
         )
 
     @classmethod
@@ -103,6 +111,11 @@ class Accumulator(EngineFace):
         """An Accumulator with the settings a run card recorded: ``cls(model, optimizer,
         config=config, **objects)`` (objects: ``scheduler``, ``scaler``, ``dp_group``, ...)."""
         return cls(model, optimizer, config=config, **objects)
+
+    @property
+    def balance(self) -> WindowBalance | None:
+        """The running load balance (its last window's counts and term), or ``None``."""
+        return self._engine.balance
 
     @property
     def noise_scale(self) -> NoiseScale:
@@ -127,11 +140,12 @@ class Accumulator(EngineFace):
                 "with scaling='pre' the step reads the whole window first. Drop length=."
             )
         micro_batches, failure = engine.open(window)
-        counted = engine.count(micro_batches, count_fn, failure)
+        model, scaler, balance = engine.model, engine.scaler, engine.balance
+        forward = None if balance is None else routing_forward(model, loss_fn)
+        counted = engine.count(micro_batches, count_fn, failure, forward)
         engine.zero_grad()
         if counted.global_host == 0:  # known before any forward under torch.distributed
             return engine.skip(0, 0, len(micro_batches), None, ZERO_COUNT)
-        model, scaler = engine.model, engine.scaler
         mean = engine.config.loss_reduction == "mean"
         # each micro-batch adds sum_t l_t / N; DDP then averages over W ranks, so scale by W / N
         scale64 = counted.scale()
@@ -139,19 +153,27 @@ class Accumulator(EngineFace):
         counts = counted.counts
 
         def contribute(i: int, mb: Any) -> Contribution:
-            loss = check_loss(loss_fn(model, mb), i)
+            if balance is None:
+                loss, term, rejected = check_loss(loss_fn(model, mb), i), None, None
+            else:
+                loss, term, rejected = balanced_forward(balance, counted.balance, i, mb, model, loss_fn)
             if mean:
                 loss = unmean(loss, counts[i], i)
             scale = scales.get(loss.dtype)
             if scale is None:
                 scale = scales[loss.dtype] = scale64.to(loss.dtype)
             contribution = loss * scale
+            if term is not None:  # its part of the window's term; DDP averages over W ranks, so times W
+                contribution = contribution + (term * counted.factor).to(loss.dtype)
             if scaler is not None:
                 contribution = scaler.scale(contribution)
-            return Contribution(contribution, loss.detach())
+            return Contribution(contribution, loss.detach(), rejected)
 
         accumulated = engine.accumulate(micro_batches, contribute)
-        return engine.conclude(counted, accumulated)
+        if balance is None:
+            return engine.conclude(counted, accumulated)
+        balance.finish()
+        return engine.conclude(counted, accumulated, rejection=balance.rejection)
 
     def _step_post(
         self, window: Iterable[Any], loss_fn: LossFn, count_fn: CountFn, length: int | None

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -100,6 +100,9 @@ from gradaccum.step.window import (
     WindowCount,
 )
 
+if TYPE_CHECKING:
+    from gradaccum.moe.balancer import WindowBalance
+
 __all__ = ["WindowEngine"]
 
 
@@ -127,6 +130,7 @@ class WindowEngine:
         pipeline: bool = False,
         synced: nn.Module | None = None,
         external: ExternalStep | None = None,
+        balance: WindowBalance | None = None,
     ) -> None:
         """``mesh``/``mesh_dims``: the DeviceMesh the model was parallelized with (see
         :mod:`gradaccum.mesh`); ``pipeline``: a pipeline schedule runs the micro-batches, and
@@ -134,7 +138,9 @@ class WindowEngine:
         ``synced``: the module whose wrapper synchronizes gradients, when ``model`` is not it
         (a pipeline's stage modules); ``external``: an engine that reduces, checks, clips and
         applies the gradients itself (DeepSpeed, :mod:`gradaccum.step.external`): its
-        ``optimizer`` need not be a ``torch.optim.Optimizer``, and conclude hands it the update."""
+        ``optimizer`` need not be a ``torch.optim.Optimizer``, and conclude hands it the update;
+        ``balance``: an MoE load balance whose window statistics ride in the count all-reduce
+        (:mod:`gradaccum.moe`)."""
         check_objects(model, optimizer, config, scheduler, external=external is not None)
         self.external = external
         self.model = model
@@ -188,6 +194,9 @@ class WindowEngine:
         )
         # what a window carries to the next one, saved under its name in state_dict()
         self.parts: dict[str, StatePart] = {} if self._noise is None else {"noise": self._noise}
+        self.balance = balance
+        if balance is not None:
+            self.parts["balance"] = balance
         self._compiles = CompileCounter()  # graphs torch.compile builds during a window
         self.meetings = Meetings(
             self.kind,
@@ -272,29 +281,50 @@ class WindowEngine:
         self.emit("window_start", len(micro_batches))
         return micro_batches, failure
 
-    def count(self, micro_batches: list[Any], count_fn: CountFn, failure: LocalFailure | None) -> WindowCount:
+    def count(
+        self,
+        micro_batches: list[Any],
+        count_fn: CountFn,
+        failure: LocalFailure | None,
+        forward: Callable[[Any], Any] | None = None,
+    ) -> WindowCount:
         """Count the whole window before the first backward, and agree on N across ranks.
+
+        With a load balance its routing statistics are counted here too (``forward``: a
+        micro-batch's no-grad forward, for the exact mode's routing pass) and summed beside N.
 
         Counts travel as float64 (exact below 2**53) so that the scale W/N is full precision. On
         one process nothing leaves the device here; under torch.distributed the counts all-reduce
         is read once, so that every rank takes the same branch (and raises a failure together).
         """
         counts: list[int | torch.Tensor] = []
+        routing: torch.Tensor | None = None
         if failure is None:
+            phase = "count_fn"
             try:
                 for i, mb in enumerate(micro_batches):
                     counts.append(as_count(count_fn(mb), i))
+                if self.balance is not None:
+                    phase = "the routing pass"
+                    routing = self.balance.count(micro_batches, forward)
             except Exception as exc:
                 if not self._distributed:
                     raise
-                failure = LocalFailure(exc, "count_fn", len(counts))
+                failure = LocalFailure(exc, phase, len(counts))
                 counts = []
+        if self.balance is not None and routing is None:
+            routing = self.balance.empty()  # every rank fills the slot, so the vectors line up
         local_count, min_count = sum_counts(counts, self.device)
         if not self._distributed:
             if not micro_batches:
                 raise WindowError("the window is empty: step needs at least one micro-batch")
-            return WindowCount(counts, local_count, local_count, None, min_count, 1, self.factor)
-        return self._agree_on_counts(len(micro_batches), counts, local_count, min_count, failure)[0]
+            balanced = None if self.balance is None or routing is None else self.balance.agree(routing)
+            return WindowCount(
+                counts, local_count, local_count, None, min_count, 1, self.factor, balance=balanced
+            )
+        return self._agree_on_counts(
+            len(micro_batches), counts, local_count, min_count, failure, routing=routing
+        )[0]
 
     def _agree_on_counts(
         self,
@@ -308,6 +338,7 @@ class WindowEngine:
         tally: torch.Tensor | None = None,
         piece: Contribution | None = None,
         index: int = 0,
+        routing: torch.Tensor | None = None,
     ) -> tuple[WindowCount, list[float] | None]:
         """Collective 1: N, and everything every rank must know before its first forward.
 
@@ -332,6 +363,8 @@ class WindowEngine:
         ledger.add("oom_ranks", failure is not None and failure.oom)
         ledger.add("broadcasting_ranks", self.kind == "ddp" and self._synced.will_sync_module_buffers())  # type: ignore[operator]
         ledger.add("fingerprint", self._fingerprint)
+        if routing is not None:  # a load balance's (c, R): window statistics like N
+            ledger.add("routing", routing)
         if replicas > 1:
             assert self.layout is not None
             ledger.add("replica_counts", replica_slots(self.layout, local_count, k))
@@ -376,7 +409,12 @@ class WindowEngine:
             global_count = global_count / replicas
         n = int(totals.global_count) // replicas
         reduced = settled.value("tally") if post is not None else None
-        counted = WindowCount(counts, local_count, global_count, n, min_count, world, self.factor, post)
+        balanced = None
+        if routing is not None and self.balance is not None:  # TP ranks add the same routing R times
+            balanced = self.balance.agree(settled.device("routing") / replicas)
+        counted = WindowCount(
+            counts, local_count, global_count, n, min_count, world, self.factor, post, balanced
+        )
         return counted, reduced  # type: ignore[return-value]
 
     def accumulate(

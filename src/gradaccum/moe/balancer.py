@@ -1,0 +1,247 @@
+"""The load balance a step runs: the routing pass, the agreed statistics, each micro-batch's term.
+
+:class:`WindowBalance` is built by the accumulator from a :class:`~gradaccum.moe.spec.LoadBalance`
+and driven by the window engine at two points:
+
+* the count phase: :meth:`WindowBalance.count` returns this rank's statistics vector, which rides
+  in the count all-reduce beside N (one process reduces nothing), and :meth:`WindowBalance.agree`
+  turns the summed vector into the window's :class:`BalanceWindow`;
+* the accumulate phase: :meth:`BalanceWindow.term` builds micro-batch ``m``'s term from the logits
+  its forward recorded; the step adds it (times the DDP averaging factor W) to the scaled loss.
+
+What the vector holds, by mode:
+
+* ``exact``: this window's ``(c, R)``, from a no-grad routing pass over the window's micro-batches
+  (the same weights; the RNG state forked and restored, so the training forwards replay the same
+  dropout and router jitter). Each training forward's counts are compared with its routing pass;
+  a mismatch vetoes the update on every rank rather than apply a term that is not exact.
+* ``lagged``: the previous window's counts, observed in its training forwards (one forward per
+  micro-batch). The first window, with nothing carried, uses each micro-batch's own statistics, as
+  ``micro-batch`` mode does. The carried counts are this rank's, saved as the ``balance`` part of
+  the accumulator's ``state_dict`` (each rank saves and loads its own).
+* ``micro-batch``: only the window's micro-batch count M; micro-batch ``m`` uses its own ``(c, R)``
+  and weighs ``1/M``: the mean over the window's micro-batches of the per-micro-batch term, which is
+  what per-micro-batch balancing computes.
+
+Aux-loss-free balancing (``bias_rate``) moves each router's bias once per window, before the next
+window's first forward, from the window's agreed counts (identical on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradaccum.errors import ConfigError, EquivalenceError
+from gradaccum.moe.capture import RouterCapture
+from gradaccum.moe.spec import LoadBalance
+from gradaccum.moe.stats import WindowStats, balance_term, route, z_term
+
+__all__ = ["BalanceWindow", "WindowBalance"]
+
+Forward = Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceWindow:
+    """One window's agreed statistics and how each micro-batch's term uses them."""
+
+    stats: WindowStats | None
+    """The ``(c, R)`` every micro-batch's term uses; ``None``: each micro-batch's own (weighted 1/M)."""
+    micro_batches: torch.Tensor
+    """M: micro-batches over the window and the data ranks."""
+    expected: Sequence[torch.Tensor]
+    """``exact``: each micro-batch's counts from the routing pass, which its forward must reproduce."""
+
+
+class WindowBalance:
+    """Capture, statistics and carried state of one accumulator's load balance (a ``StatePart``)."""
+
+    def __init__(self, spec: LoadBalance, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.capture = RouterCapture(spec.routers, spec.logits_index)
+        self._empty = WindowStats.zeros(spec.layers, spec.num_experts, device)
+        # lagged: the last window's counts seen on this rank; exact: its agreed counts (bias update)
+        self._carried: WindowStats | None = None
+        self._seen: list[torch.Tensor] = []  # this window's counts per micro-batch, from its forwards
+        self._terms: list[torch.Tensor] = []
+        self._expected: list[tuple[torch.Tensor, torch.Tensor]] = []  # exact: the routing pass's
+        self._bias_due = False
+
+    @property
+    def size(self) -> int:
+        """Length of the statistics vector in the count all-reduce."""
+        return self.spec.layers * self.spec.num_experts + self.spec.layers + 1
+
+    # -- count phase ----------------------------------------------------------------------------
+
+    def empty(self) -> torch.Tensor:
+        """A failed rank's vector: zeros of the right length, so that the ranks' slots line up."""
+        return self._empty.pack()
+
+    def count(self, micro_batches: Sequence[Any], forward: Forward | None) -> torch.Tensor:
+        """This rank's statistics vector (see the module docstring for what it holds per mode)."""
+        spec, k = self.spec, len(micro_batches)
+        m = torch.tensor(float(k), dtype=torch.float64, device=self.device)
+        if spec.mode != "exact":
+            carried = self._carried or self._empty
+            return WindowStats(carried.counts, carried.rows, m).pack()
+        if forward is None:
+            raise ConfigError(
+                "LoadBalance(mode='exact') needs the forward of each micro-batch for its routing pass"
+            )
+        self._apply_bias()  # the previous window's update, before this window routes anything
+        per_batch = self._routing_pass(micro_batches, forward)
+        self._expected = per_batch
+        counts = torch.stack([c for c, _ in per_batch]).sum(0) if per_batch else self._empty.counts
+        rows = torch.stack([r for _, r in per_batch]).sum(0) if per_batch else self._empty.rows
+        return WindowStats(counts, rows, m).pack()
+
+    def _routing_pass(
+        self, micro_batches: Sequence[Any], forward: Forward
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A no-grad forward of every micro-batch, recording the routers; the RNG state restored
+        afterwards, so the training forwards draw the same random numbers in the same order."""
+        out = []
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type), torch.no_grad():
+            for mb in micro_batches:
+                with self.capture.recording(graph=False) as records:
+                    forward(mb)
+                routed = self._route(records, mb)
+                out.append((routed.counts, routed.rows))
+        return out
+
+    def _route(self, records: Sequence[tuple[int, torch.Tensor]], mb: Any) -> Any:
+        spec = self.spec
+        return route(
+            records,
+            spec.mask(mb),
+            layers=spec.layers,
+            num_experts=spec.num_experts,
+            top_k=spec.top_k,
+            device=self.device,
+        )
+
+    def agree(self, vector: torch.Tensor) -> BalanceWindow:
+        """The window's statistics from the summed vector (on one process, this rank's)."""
+        spec = self.spec
+        agreed = WindowStats.unpack(vector, spec.layers, spec.num_experts)
+        self._seen, self._terms = [], []
+        if spec.mode == "exact":
+            expected = [c for c, _ in self._expected]
+            self._expected = []
+            self._carried, self._bias_due = agreed, spec.bias_rate is not None
+            return BalanceWindow(agreed, agreed.micro_batches, expected)
+        had = self._carried is not None
+        if had:
+            self._carried, self._bias_due = agreed, spec.bias_rate is not None
+            self._apply_bias()  # last window's agreed counts, before this window's first forward
+        stats = agreed if (had and spec.mode == "lagged") else None
+        return BalanceWindow(stats, agreed.micro_batches, [])
+
+    def _apply_bias(self) -> None:
+        """DeepSeek-V3's update, once per window: ``b_i += rate * sign(mean load - load_i)`` per router."""
+        rate = self.spec.bias_rate
+        if rate is None or not self._bias_due or self._carried is None:
+            return
+        self._bias_due = False
+        counts = self._carried.counts
+        with torch.no_grad():
+            for layer, router in enumerate(self.spec.routers):
+                bias = getattr(router, self.spec.bias_name)
+                load = counts[layer]
+                bias.add_(torch.sign(load.mean() - load).to(device=bias.device, dtype=bias.dtype), alpha=rate)
+
+    # -- accumulate phase -----------------------------------------------------------------------
+
+    def term(
+        self, window: BalanceWindow, index: int, mb: Any, records: Sequence[tuple[int, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Micro-batch ``index``'s balancing (and z-loss) term, and its veto (``exact``: 1 when its
+        forward routed differently from its routing pass)."""
+        spec = self.spec
+        routed = self._route(records, mb)
+        self._seen.append(routed.counts)
+        if window.stats is not None:
+            counts, rows, weight = window.stats.counts, window.stats.rows, None
+        else:  # each micro-batch's own statistics, averaged over the window's M micro-batches
+            counts, rows, weight = routed.counts, routed.rows, window.micro_batches.clamp(min=1)
+        term = balance_term(
+            routed.probs, counts, rows, num_experts=spec.num_experts, coef=spec.coef, pooled=spec.pooled
+        )
+        if spec.z_coef is not None:
+            term = term + z_term(routed.z, rows, z_coef=spec.z_coef, pooled=spec.pooled)
+        if weight is not None:
+            term = term / weight
+        self._terms.append(term.detach())
+        rejected = None
+        if index < len(window.expected):
+            rejected = (routed.counts != window.expected[index]).any().to(torch.float64)
+        return term, rejected
+
+    def finish(self) -> None:
+        """After the window's last forward: lagged and micro-batch modes carry its counts."""
+        if self.spec.mode != "exact" and self._seen:
+            counts = torch.stack(self._seen).sum(0)
+            rows = self._rows_of(self._seen)
+            self._carried = WindowStats(counts, rows, self._empty.micro_batches)
+
+    def _rows_of(self, seen: list[torch.Tensor]) -> torch.Tensor:
+        """Rows from counts: every counted row fills top_k slots in each layer."""
+        return torch.stack(seen).sum(0).sum(1) / self.spec.top_k
+
+    @staticmethod
+    def rejection(ranks: int) -> Exception:
+        """The error every rank raises when a training forward routed differently from its routing pass."""
+        return EquivalenceError(
+            f"on {ranks} micro-batch(es) the training forward routed tokens to other experts than the "
+            "routing pass did: the model's routing is not reproducible (an RNG the step cannot replay, a "
+            "nondeterministic kernel), so the exact balancing term is unknown; no update was applied. "
+            "Make the routing deterministic, or use LoadBalance(mode='lagged')."
+        )
+
+    # -- reporting and state --------------------------------------------------------------------
+
+    def window_counts(self) -> torch.Tensor | None:
+        """This rank's routed slots per layer and expert over the last window's training forwards."""
+        return torch.stack(self._seen).sum(0) if self._seen else None
+
+    def window_term(self) -> torch.Tensor | None:
+        """This rank's part of the last window's balancing term (summed over ranks in exact mode it
+        is the full-batch term's value)."""
+        return torch.stack(self._terms).sum() if self._terms else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The carried counts (this rank's), as float64 lists: exact integers, bitwise on reload."""
+        carried = self._carried
+        return {
+            "mode": self.spec.mode,
+            "carried": None if carried is None else carried.pack().tolist(),
+            "bias_due": self._bias_due,
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore :meth:`state_dict`; a different mode or layout is refused before anything changes."""
+        ok = isinstance(state, dict) and set(state) == {"mode", "carried", "bias_due"}
+        carried = state.get("carried") if ok else None
+        if not ok or (carried is not None and (not isinstance(carried, list) or len(carried) != self.size)):
+            raise ConfigError(
+                f"the accumulator state's 'balance' part must hold mode, carried ({self.size} numbers or "
+                f"None) and bias_due for {self.spec.layers} routers x {self.spec.num_experts} experts, "
+                f"got {state!r:.200}"
+            )
+        if state["mode"] != self.spec.mode:
+            raise ConfigError(
+                f"the checkpoint's load balance ran mode={state['mode']!r}, this one "
+                f"mode={self.spec.mode!r}: rebuild LoadBalance with the checkpoint's mode"
+            )
+        vector = None if carried is None else torch.tensor(carried, dtype=torch.float64, device=self.device)
+        self._carried = (
+            None if vector is None else WindowStats.unpack(vector, self.spec.layers, self.spec.num_experts)
+        )
+        self._bias_due = bool(state["bias_due"])

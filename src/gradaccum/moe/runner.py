@@ -1,0 +1,71 @@
+"""Where the accumulators meet a load balance: building it, the routing pass's forward, and one
+micro-batch's forward with its term. Kept here so that the step's front ends hold a line each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradaccum.distributed.sync import sync_kind
+from gradaccum.errors import ConfigError
+from gradaccum.moe.balancer import BalanceWindow, WindowBalance
+from gradaccum.moe.spec import LoadBalance
+from gradaccum.step.checks import check_loss
+
+__all__ = ["balanced_forward", "balancer_for", "refuse_balance", "routing_forward"]
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def balancer_for(balance: LoadBalance | None, model: nn.Module, config: Any) -> WindowBalance | None:
+    """The running balance an :class:`~gradaccum.Accumulator` drives, or a :class:`ConfigError`
+    naming what it cannot be combined with."""
+    if balance is None:
+        return None
+    if not isinstance(balance, LoadBalance):
+        raise ConfigError(f"balance must be a gradaccum.moe.LoadBalance, got {type(balance).__name__}")
+    if config.scaling == "post":
+        raise ConfigError(
+            "balance= is not supported with scaling='post': a streamed window's micro-batches "
+            "backpropagate before the window's routing counts (c, R) and N are known, and the "
+            "balancing term does not scale with the loss's W/N. Use scaling='pre'."
+        )
+    if balance.mode == "exact" and sync_kind(model) in ("fsdp", "fsdp2"):
+        raise ConfigError(
+            "LoadBalance(mode='exact') routes every micro-batch once more before the first backward; "
+            "under FSDP that forward gathers parameters in collectives the ranks would have to repeat "
+            "in step, which ranks with different micro-batch counts do not. Use mode='lagged'."
+        )
+    params = [p for p in model.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    return WindowBalance(balance, device)
+
+
+def routing_forward(model: nn.Module, loss_fn: LossFn) -> Callable[[Any], Any]:
+    """The routing pass's forward: ``loss_fn`` on the module inside DDP, whose own forward would
+    broadcast buffers (a collective) once per call."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return lambda mb: loss_fn(inner, mb)
+
+
+def balanced_forward(
+    balance: WindowBalance, window: BalanceWindow, index: int, mb: Any, model: nn.Module, loss_fn: LossFn
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Micro-batch ``index``'s summed loss, its part of the window's balancing term, and its veto."""
+    with balance.capture.recording(graph=True) as records:
+        loss = check_loss(loss_fn(model, mb), index)
+    term, rejected = balance.term(window, index, mb, records)
+    return loss, term, rejected
+
+
+def refuse_balance(settings: Mapping[str, Any], front_end: str, why: str) -> None:
+    """A front end that cannot run a load balance refuses ``balance=`` by name, saying why."""
+    if settings.get("balance") is not None:
+        raise ConfigError(
+            f"{front_end} does not take balance=: {why}. Use gradaccum.Accumulator(..., balance=...)."
+        )
