@@ -36,6 +36,7 @@ from gradaccum.cache.replay import (
 from gradaccum.distributed import dist
 from gradaccum.errors import CacheError
 from gradaccum.loss import count_examples
+from gradaccum.moe.runner import refuse_balance
 from gradaccum.rng import RngState, capture_rng, replaying
 from gradaccum.step.agreement import LocalFailure
 from gradaccum.step.config import AccumConfig, StepResult
@@ -97,6 +98,12 @@ class CachedAccumulator(EngineFace):
         tolerates kernels that round differently with and without a graph, and catches an encoder
         that does not repeat itself, such as dropout drawn from a generator other than torch's.
         ``settings``: :class:`AccumConfig`'s fields as keywords, when no ``config`` is given."""
+        refuse_balance(
+            settings.pop("balance", None),
+            "CachedAccumulator",
+            "it replays each micro-batch to backpropagate cached gradients into its representations, "
+            "and the balancing term of the routers is no part of those representations' objective",
+        )
         if max_grad_norm is not None:  # the one setting also taken positionally; None = not given
             settings["max_grad_norm"] = max_grad_norm
         config = AccumConfig.resolve(config, settings)

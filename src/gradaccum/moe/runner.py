@@ -4,7 +4,7 @@ micro-batch's forward with its term. Kept here so that the step's front ends hol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,9 +63,9 @@ def balanced_forward(
     return loss, term, rejected
 
 
-def refuse_balance(settings: Mapping[str, Any], front_end: str, why: str) -> None:
+def refuse_balance(balance: Any, front_end: str, why: str) -> None:
     """A front end that cannot run a load balance refuses ``balance=`` by name, saying why."""
-    if settings.get("balance") is not None:
+    if balance is not None:
         raise ConfigError(
             f"{front_end} does not take balance=: {why}. Use gradaccum.Accumulator(..., balance=...)."
         )

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from gradaccum.errors import ConfigError
+from gradaccum.moe.runner import refuse_balance
 from gradaccum.mesh.layout import DATA_ROLES
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
@@ -75,7 +76,15 @@ class PipelineAccumulator(EngineFace):
         mesh_dims: Mapping[str, str] | None = None,
         scheduler: Any = None,
         config: AccumConfig | None = None,
+        balance: Any = None,
     ) -> None:
+        """``balance``: refused (a :class:`ConfigError` saying why); only ``Accumulator`` balances."""
+        refuse_balance(
+            balance,
+            "PipelineAccumulator",
+            "each stage holds some of the routers, so the window's routing counts would have to be "
+            "gathered across the pipeline stages before the schedule runs",
+        )
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not stages or not all(hasattr(s, "submod") and hasattr(s, "is_last") for s in stages):
             raise ConfigError(
