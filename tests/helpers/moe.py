@@ -102,10 +102,10 @@ def tokens(mb: Batch) -> torch.Tensor:
     return (mb["labels"][:, 1:] != -100).sum()
 
 
-def balance_by_hand(
+def routing_by_hand(
     router_logits: Sequence[torch.Tensor], mask: torch.Tensor, experts: int, top_k: int
-) -> torch.Tensor:
-    """``E * sum_i f_i P_i`` pooled over the layers, padding masked, in float64."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(c, S, R)`` pooled over the layers, padding masked, in float64 (S carries the gradient)."""
     m = mask.reshape(-1).to(torch.float64)
     counts = torch.zeros(experts, dtype=torch.float64)
     probs = torch.zeros(experts, dtype=torch.float64)
@@ -116,6 +116,14 @@ def balance_by_hand(
         counts = counts + (F.one_hot(chosen, experts).sum(1).to(torch.float64) * m[:, None]).sum(0)
         probs = probs + (p * m[:, None]).sum(0)
         rows = rows + m.sum()
+    return counts.detach(), probs, rows
+
+
+def balance_by_hand(
+    router_logits: Sequence[torch.Tensor], mask: torch.Tensor, experts: int, top_k: int
+) -> torch.Tensor:
+    """``E * sum_i f_i P_i`` pooled over the layers, padding masked, in float64."""
+    counts, probs, rows = routing_by_hand(router_logits, mask, experts, top_k)
     return experts * ((counts / rows) * (probs / rows)).sum()
 
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 
 from gradaccum.errors import ConfigError
-from gradaccum.moe.runner import refuse_balance
 from gradaccum.mesh.layout import DATA_ROLES
+from gradaccum.moe.runner import refuse_balance
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.face import EngineFace
