@@ -241,3 +241,14 @@ def test_routing_that_does_not_replay_vetoes_the_update() -> None:
     with pytest.raises(EquivalenceError, match="routing pass"):
         acc.step(_regression_window((4, 4)), _regression, _rows)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "olmoe"])
+def test_other_families_from_model_are_exact(family: str, seqs: list[torch.Tensor]) -> None:
+    """Qwen2-MoE (with its shared expert), Qwen3-MoE and OLMoE share Mixtral's formula."""
+    model = h.tiny_moe(family)
+    balance = LoadBalance.from_model(model)
+    assert len(balance.routers) == 2 and (balance.num_experts, balance.top_k) == (4, 2)
+    reference = h.reference_update(model, seqs, coef=0.05)
+    update, _ = _step(model, h.window(seqs, (3, 4, 1)))
+    assert h.rel_l2(update, reference) <= TOL
