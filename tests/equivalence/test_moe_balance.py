@@ -11,6 +11,7 @@ on the same data (asserted below), so a wrong window statistic cannot pass.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Any
 
@@ -252,3 +253,59 @@ def test_other_families_from_model_are_exact(family: str, seqs: list[torch.Tenso
     reference = h.reference_update(model, seqs, coef=0.05)
     update, _ = _step(model, h.window(seqs, (3, 4, 1)))
     assert h.rel_l2(update, reference) <= TOL
+
+
+def test_router_z_loss_is_exact(model: nn.Module, seqs: list[torch.Tensor]) -> None:
+    """z_coef * sum over rows and layers of logsumexp^2 / R, R the window's routed rows."""
+    reference = h.reference_update(model, seqs, coef=0.05, z_coef=0.01)
+    m = copy.deepcopy(model)
+    before = [p.detach().clone() for p in m.parameters()]
+    balance = dataclasses.replace(LoadBalance.from_model(m), z_coef=0.01)
+    acc = Accumulator(m, torch.optim.SGD(m.parameters(), lr=1.0), balance=balance)
+    assert acc.step(h.window(seqs, (1, 4, 3)), h.ce_sum, h.tokens).applied
+    assert h.rel_l2(h.update_of(m, before), reference) <= TOL
+    assert h.rel_l2(h.update_of(m, before), h.reference_update(model, seqs, coef=0.05)) > 1e-6
+
+
+class _BiasedRouter(_Router):
+    """DeepSeek-V3's aux-loss-free router: the bias steers the top-1 choice, not the weights."""
+
+    def __init__(self) -> None:
+        super().__init__(noisy=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(3, dtype=torch.float64))
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.e_score_correction_bias.clone())
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("mode", ["exact", "lagged"])
+def test_aux_loss_free_bias_moves_once_per_window_from_the_windows_counts(mode: str) -> None:
+    model = _TinyMoE()
+    model.routers = nn.ModuleList([_BiasedRouter() for _ in range(2)])
+    balance = LoadBalance(
+        routers=list(model.routers),
+        num_experts=3,
+        top_k=1,
+        coef=0.0,
+        mode=mode,
+        bias_rate=0.1,
+        mask_fn=lambda mb: mb["w"],
+    )
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), balance=balance)
+    window = _regression_window((4, 4))
+    acc.step(window, _regression, _rows)
+    counts = (
+        acc.balance.window_counts()
+    )  # this window's routed slots per router (one process: the agreed ones)
+    for router in model.routers:
+        assert all(torch.equal(b, torch.zeros(3, dtype=torch.float64)) for b in router.seen)
+        router.seen.clear()
+    acc.step(window, _regression, _rows)
+    for layer, router in enumerate(model.routers):
+        load = counts[layer]
+        expected = 0.1 * torch.sign(load.mean() - load)
+        assert len(router.seen) == (4 if mode == "exact" else 2)  # routing pass + forward, per micro-batch
+        assert all(torch.equal(b, expected) for b in router.seen)
+    assert counts.sum() == 2 * float(sum(mb["w"].sum() for mb in window))

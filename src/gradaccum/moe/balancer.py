@@ -125,6 +125,7 @@ class WindowBalance:
             num_experts=spec.num_experts,
             top_k=spec.top_k,
             device=self.device,
+            biases=None if spec.bias_rate is None else [getattr(r, spec.bias_name) for r in spec.routers],
         )
 
     def agree(self, vector: torch.Tensor) -> BalanceWindow:

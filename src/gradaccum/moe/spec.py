@@ -83,7 +83,9 @@ class LoadBalance:
     bias_rate: float | None = None
     """Aux-loss-free balancing (DeepSeek-V3): each router's ``bias_name`` buffer moves by
     ``bias_rate * sign(mean load - load_i)`` once per optimizer step, from the window's agreed
-    counts; ``None``: off."""
+    counts, before the next window's first forward; ``None``: off. The router is taken to select
+    the top-k of ``softmax(logits) + bias`` (the bias steers the choice, not the weights), and
+    ``c`` counts that selection."""
     bias_name: str = "e_score_correction_bias"
     """The router buffer the bias update moves (the name DeepSeek-V3's router uses)."""
     logits_index: int = 0

@@ -77,11 +77,14 @@ def route(
     num_experts: int,
     top_k: int,
     device: torch.device,
+    biases: Sequence[torch.Tensor] | None = None,
 ) -> Routed:
     """The routing statistics of one forward from its captured ``(layer, logits)`` pairs.
 
     ``mask``: one weight per row (``[batch, seq]`` is flattened as transformers' routers flatten
-    their input), or ``None`` for every row. A router called twice adds into its layer's row."""
+    their input), or ``None`` for every row. A router called twice adds into its layer's row.
+    ``biases``: aux-loss-free balancing's per-router expert bias, added to the probabilities for
+    the selection only (as DeepSeek-V3 routes), so that ``c`` counts the slots actually routed."""
     counts = [torch.zeros(num_experts, dtype=torch.float64, device=device) for _ in range(layers)]
     rows = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(layers)]
     probs: list[torch.Tensor | None] = [None] * layers
@@ -101,7 +104,8 @@ def route(
             )
         work = logits.to(torch.promote_types(logits.dtype, torch.float32))
         p = torch.softmax(work, dim=-1)
-        chosen = torch.topk(p.detach(), top_k, dim=-1).indices.reshape(-1)
+        scores = p.detach() if biases is None else p.detach() + biases[layer].to(p.dtype)
+        chosen = torch.topk(scores, top_k, dim=-1).indices.reshape(-1)
         weight = flat if flat is not None else torch.ones(logits.shape[0], dtype=torch.float64, device=device)
         counts[layer] = counts[layer].scatter_add(0, chosen.to(device), weight.repeat_interleave(top_k))
         rows[layer] = rows[layer] + weight.sum()
