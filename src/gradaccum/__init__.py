@@ -6,7 +6,8 @@ gradaccum`` costs nothing and never pulls in the measurement (``gradaccum.bench`
 front end (``gradaccum.train``), ``torch.distributed.checkpoint``, matplotlib or rich. Everything
 else lives in its feature's folder: ``gradaccum.step``, ``gradaccum.cache``, ``gradaccum.check``,
 ``gradaccum.hazards``, ``gradaccum.distributed``, ``gradaccum.bench``, ``gradaccum.train``,
-``gradaccum.rl`` (policy and preference losses, reachable without an import); every exception
+``gradaccum.rl`` (policy and preference losses) and ``gradaccum.moe`` (MoE load balancing), both
+reachable without an import; every exception
 class is in ``gradaccum.errors``.
 """
 
@@ -147,7 +148,7 @@ if TYPE_CHECKING:
     from gradaccum.workloads.base import Workload
 
 
-_SUBPACKAGES = ("rl",)
+_SUBPACKAGES = ("rl", "moe")
 """Feature folders reachable as ``gradaccum.<name>`` without an import (``gradaccum.rl.PolicyLoss``);
 each is itself lazy."""
 
