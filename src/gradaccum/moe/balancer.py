@@ -142,6 +142,9 @@ class WindowBalance:
         if had:
             self._carried, self._bias_due = agreed, spec.bias_rate is not None
             self._apply_bias()  # last window's agreed counts, before this window's first forward
+        # consumed: this window's forwards carry the next one's (finish); a window skipped before
+        # its forwards carries nothing, and the next balances per micro-batch
+        self._carried = None
         stats = agreed if (had and spec.mode == "lagged") else None
         return BalanceWindow(stats, agreed.micro_batches, [])
 

@@ -139,8 +139,7 @@ class WindowEngine:
         (a pipeline's stage modules); ``external``: an engine that reduces, checks, clips and
         applies the gradients itself (DeepSpeed, :mod:`gradaccum.step.external`): its
         ``optimizer`` need not be a ``torch.optim.Optimizer``, and conclude hands it the update;
-        ``balance``: an MoE load balance whose window statistics ride in the count all-reduce
-        (:mod:`gradaccum.moe`)."""
+        ``balance``: an MoE load balance (:mod:`gradaccum.moe`)."""
         check_objects(model, optimizer, config, scheduler, external=external is not None)
         self.external = external
         self.model = model
@@ -290,9 +289,7 @@ class WindowEngine:
     ) -> WindowCount:
         """Count the whole window before the first backward, and agree on N across ranks.
 
-        With a load balance its routing statistics are counted here too (``forward``: a
-        micro-batch's no-grad forward, for the exact mode's routing pass) and summed beside N.
-
+        A load balance's routing statistics ride beside N (``forward``: its routing pass's forward).
         Counts travel as float64 (exact below 2**53) so that the scale W/N is full precision. On
         one process nothing leaves the device here; under torch.distributed the counts all-reduce
         is read once, so that every rank takes the same branch (and raises a failure together).
