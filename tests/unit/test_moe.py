@@ -107,3 +107,10 @@ def test_a_state_of_another_mode_is_refused(mixtral: nn.Module) -> None:
         other.load_state_dict(state)
     with pytest.raises(ConfigError, match="'balance' part"):
         acc.load_state_dict({**state, "balance": {"mode": "lagged", "carried": [1.0], "bias_due": False}})
+
+
+def test_a_model_that_adds_its_own_balancing_loss_is_refused(mixtral: nn.Module) -> None:
+    m = copy.deepcopy(mixtral)
+    m.config.output_router_logits = True
+    with pytest.raises(ConfigError, match="output_router_logits=True"):
+        Accumulator(m, torch.optim.SGD(m.parameters(), lr=1.0), balance=LoadBalance.from_model(m))

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradaccum.distributed.sync import sync_kind
 from gradaccum.errors import ConfigError
 from gradaccum.moe.balancer import BalanceWindow, WindowBalance
+from gradaccum.moe.discover import unwrap
 from gradaccum.moe.spec import LoadBalance
 from gradaccum.step.checks import check_loss
 
@@ -40,6 +41,12 @@ def balancer_for(balance: LoadBalance | None, model: nn.Module, config: Any) -> 
             "LoadBalance(mode='exact') routes every micro-batch once more before the first backward; "
             "under FSDP that forward gathers parameters in collectives the ranks would have to repeat "
             "in step, which ranks with different micro-batch counts do not. Use mode='lagged'."
+        )
+    if getattr(getattr(unwrap(model), "config", None), "output_router_logits", False) is True:
+        raise ConfigError(
+            "the model's config has output_router_logits=True, so its forward adds its own "
+            "per-micro-batch balancing loss to .loss, and the step would add the window's on top. Set "
+            "model.config.output_router_logits = False (loss_fn returns the cross-entropy only)."
         )
     params = [p for p in model.parameters()]
     device = params[0].device if params else torch.device("cpu")
