@@ -44,7 +44,12 @@ and, for a front end that runs its own micro-batch loop: :class:`RouterCapture` 
 the routers' logits inside ``recording()``), :func:`route` (a forward's ``c``, ``R``, ``S``, ``Z``
 from recorded logits), :class:`WindowStats` (``(c, R)`` packed for an all-reduce) and
 :func:`balance_term` / :func:`z_term` (one micro-batch's part of the window's term given the
-window's statistics). :class:`WindowBalance` is the whole of it as the step's engine drives it.
+window's statistics). :class:`WindowBalance` is the whole of it as the step's engine drives it:
+``WindowEngine(..., balance=WindowBalance(spec, device))``, ``engine.count(..., forward)`` with
+:func:`gradaccum.moe.runner.routing_forward`, and each micro-batch's forward through
+:func:`gradaccum.moe.runner.balanced_forward` (loss, term, veto); then
+``WindowBalance.finish()`` and ``engine.conclude(..., rejection=WindowBalance.rejection)``, as
+:class:`gradaccum.Accumulator` does.
 """
 
 from __future__ import annotations
