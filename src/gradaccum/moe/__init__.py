@@ -45,8 +45,8 @@ the routers' logits inside ``recording()``), :func:`route` (a forward's ``c``, `
 from recorded logits), :class:`WindowStats` (``(c, R)`` packed for an all-reduce) and
 :func:`balance_term` / :func:`z_term` (one micro-batch's part of the window's term given the
 window's statistics). :class:`WindowBalance` is the whole of it as the step's engine drives it:
-``WindowEngine(..., balance=WindowBalance(spec, device))``, ``engine.count(..., forward)`` with
-:func:`gradaccum.moe.runner.routing_forward`, and each micro-batch's forward through
+``WindowEngine(..., balance=WindowBalance(spec, device))``, ``WindowBalance.use(forward)`` with
+:func:`gradaccum.moe.runner.routing_forward` before ``engine.count``, each micro-batch's forward through
 :func:`gradaccum.moe.runner.balanced_forward` (loss, term, veto); then
 ``WindowBalance.finish()`` and ``engine.conclude(..., rejection=WindowBalance.rejection)``, as
 :class:`gradaccum.Accumulator` does.

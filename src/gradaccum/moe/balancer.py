@@ -3,9 +3,10 @@
 :class:`WindowBalance` is built by the accumulator from a :class:`~gradaccum.moe.spec.LoadBalance`
 and driven by the window engine at two points:
 
-* the count phase: :meth:`WindowBalance.count` returns this rank's statistics vector, which rides
-  in the count all-reduce beside N (one process reduces nothing), and :meth:`WindowBalance.agree`
-  turns the summed vector into the window's :class:`BalanceWindow`;
+* the count phase: :meth:`WindowBalance.count` computes this rank's statistics vector
+  (:meth:`WindowBalance.local`), which rides in the count all-reduce beside N (one process reduces
+  nothing), and :meth:`WindowBalance.agree` turns the summed vector into the window's
+  :class:`BalanceWindow` (:attr:`WindowBalance.window`);
 * the accumulate phase: :meth:`BalanceWindow.term` builds micro-batch ``m``'s term from the logits
   its forward recorded; the step adds it (times the DDP averaging factor W) to the scaled loss.
 
@@ -71,6 +72,10 @@ class WindowBalance:
         self._terms: list[torch.Tensor] = []
         self._expected: list[tuple[torch.Tensor, torch.Tensor]] = []  # exact: the routing pass's
         self._bias_due = False
+        self._forward: Forward | None = None
+        self._local: torch.Tensor | None = None
+        self.window: BalanceWindow | None = None
+        """The current window's agreed statistics, from the count phase on (``None`` before)."""
 
     @property
     def size(self) -> int:
@@ -79,27 +84,35 @@ class WindowBalance:
 
     # -- count phase ----------------------------------------------------------------------------
 
-    def empty(self) -> torch.Tensor:
-        """A failed rank's vector: zeros of the right length, so that the ranks' slots line up."""
-        return self._empty.pack()
+    def use(self, forward: Forward) -> None:
+        """The routing pass's forward of a micro-batch (the front end's ``loss_fn`` on its model),
+        set before each window's count phase."""
+        self._forward = forward
 
-    def count(self, micro_batches: Sequence[Any], forward: Forward | None) -> torch.Tensor:
+    def local(self) -> torch.Tensor:
+        """This rank's statistics vector for the count all-reduce: what :meth:`count` computed, or
+        zeros of the same length where it did not run (a rank that failed before it), so that the
+        ranks' slots line up."""
+        return self._empty.pack() if self._local is None else self._local
+
+    def count(self, micro_batches: Sequence[Any]) -> None:
         """This rank's statistics vector (see the module docstring for what it holds per mode)."""
         spec, k = self.spec, len(micro_batches)
         m = torch.tensor(float(k), dtype=torch.float64, device=self.device)
         if spec.mode != "exact":
             carried = self._carried or self._empty
-            return WindowStats(carried.counts, carried.rows, m).pack()
-        if forward is None:
+            self._local = WindowStats(carried.counts, carried.rows, m).pack()
+            return
+        if self._forward is None:
             raise ConfigError(
-                "LoadBalance(mode='exact') needs the forward of each micro-batch for its routing pass"
+                "LoadBalance(mode='exact') needs use(forward) before the count: its routing pass"
             )
         self._apply_bias()  # the previous window's update, before this window routes anything
-        per_batch = self._routing_pass(micro_batches, forward)
+        per_batch = self._routing_pass(micro_batches, self._forward)
         self._expected = per_batch
         counts = torch.stack([c for c, _ in per_batch]).sum(0) if per_batch else self._empty.counts
         rows = torch.stack([r for _, r in per_batch]).sum(0) if per_batch else self._empty.rows
-        return WindowStats(counts, rows, m).pack()
+        self._local = WindowStats(counts, rows, m).pack()
 
     def _routing_pass(
         self, micro_batches: Sequence[Any], forward: Forward
@@ -129,7 +142,13 @@ class WindowBalance:
         )
 
     def agree(self, vector: torch.Tensor) -> BalanceWindow:
-        """The window's statistics from the summed vector (on one process, this rank's)."""
+        """The window's statistics from the summed vector (on one process, this rank's), kept as
+        :attr:`window` for the accumulate phase."""
+        self._local = None
+        self.window = self._agree(vector)
+        return self.window
+
+    def _agree(self, vector: torch.Tensor) -> BalanceWindow:
         spec = self.spec
         agreed = WindowStats.unpack(vector, spec.layers, spec.num_experts)
         self._seen, self._terms = [], []

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.distributed.sync import sync_kind
 from gradaccum.errors import ConfigError
-from gradaccum.moe.balancer import BalanceWindow, WindowBalance
+from gradaccum.moe.balancer import WindowBalance
 from gradaccum.moe.discover import unwrap
 from gradaccum.moe.spec import LoadBalance
 from gradaccum.step.checks import check_loss
@@ -61,9 +61,13 @@ def routing_forward(model: nn.Module, loss_fn: LossFn) -> Callable[[Any], Any]:
 
 
 def balanced_forward(
-    balance: WindowBalance, window: BalanceWindow, index: int, mb: Any, model: nn.Module, loss_fn: LossFn
+    balance: WindowBalance, index: int, mb: Any, model: nn.Module, loss_fn: LossFn
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Micro-batch ``index``'s summed loss, its part of the window's balancing term, and its veto."""
+    """Micro-batch ``index``'s summed loss, its part of the window's balancing term (from the
+    statistics the count phase agreed on), and its veto."""
+    window = balance.window
+    if window is None:
+        raise ConfigError("the load balance has no agreed window statistics: the count phase did not run")
     with balance.capture.recording(graph=True) as records:
         loss = check_loss(loss_fn(model, mb), index)
     term, rejected = balance.term(window, index, mb, records)

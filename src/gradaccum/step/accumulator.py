@@ -141,8 +141,9 @@ class Accumulator(EngineFace):
             )
         micro_batches, failure = engine.open(window)
         model, scaler, balance = engine.model, engine.scaler, engine.balance
-        forward = None if balance is None else routing_forward(model, loss_fn)
-        counted = engine.count(micro_batches, count_fn, failure, forward)
+        if balance is not None:
+            balance.use(routing_forward(model, loss_fn))
+        counted = engine.count(micro_batches, count_fn, failure)
         engine.zero_grad()
         if counted.global_host == 0:  # known before any forward under torch.distributed
             return engine.skip(0, 0, len(micro_batches), None, ZERO_COUNT)
@@ -156,7 +157,7 @@ class Accumulator(EngineFace):
             if balance is None:
                 loss, term, rejected = check_loss(loss_fn(model, mb), i), None, None
             else:
-                loss, term, rejected = balanced_forward(balance, counted.balance, i, mb, model, loss_fn)
+                loss, term, rejected = balanced_forward(balance, i, mb, model, loss_fn)
             if mean:
                 loss = unmean(loss, counts[i], i)
             scale = scales.get(loss.dtype)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -64,6 +64,7 @@ from gradaccum.mesh.step import (
     replica_slots,
     replicas_agree,
 )
+from gradaccum.moe.balancer import WindowBalance
 from gradaccum.step.agreement import (
     LocalFailure,
     back_off_scaler,
@@ -99,9 +100,6 @@ from gradaccum.step.window import (
     Observer,
     WindowCount,
 )
-
-if TYPE_CHECKING:
-    from gradaccum.moe.balancer import WindowBalance
 
 __all__ = ["WindowEngine"]
 
@@ -280,22 +278,15 @@ class WindowEngine:
         self.emit("window_start", len(micro_batches))
         return micro_batches, failure
 
-    def count(
-        self,
-        micro_batches: list[Any],
-        count_fn: CountFn,
-        failure: LocalFailure | None,
-        forward: Callable[[Any], Any] | None = None,
-    ) -> WindowCount:
+    def count(self, micro_batches: list[Any], count_fn: CountFn, failure: LocalFailure | None) -> WindowCount:
         """Count the whole window before the first backward, and agree on N across ranks.
 
-        A load balance's routing statistics ride beside N (``forward``: its routing pass's forward).
         Counts travel as float64 (exact below 2**53) so that the scale W/N is full precision. On
         one process nothing leaves the device here; under torch.distributed the counts all-reduce
         is read once, so that every rank takes the same branch (and raises a failure together).
+        A load balance's routing statistics (:mod:`gradaccum.moe`) are counted here too, beside N.
         """
         counts: list[int | torch.Tensor] = []
-        routing: torch.Tensor | None = None
         if failure is None:
             phase = "count_fn"
             try:
@@ -303,25 +294,20 @@ class WindowEngine:
                     counts.append(as_count(count_fn(mb), i))
                 if self.balance is not None:
                     phase = "the routing pass"
-                    routing = self.balance.count(micro_batches, forward)
+                    self.balance.count(micro_batches)
             except Exception as exc:
                 if not self._distributed:
                     raise
                 failure = LocalFailure(exc, phase, len(counts))
                 counts = []
-        if self.balance is not None and routing is None:
-            routing = self.balance.empty()  # every rank fills the slot, so the vectors line up
         local_count, min_count = sum_counts(counts, self.device)
         if not self._distributed:
             if not micro_batches:
                 raise WindowError("the window is empty: step needs at least one micro-batch")
-            balanced = None if self.balance is None or routing is None else self.balance.agree(routing)
-            return WindowCount(
-                counts, local_count, local_count, None, min_count, 1, self.factor, balance=balanced
-            )
-        return self._agree_on_counts(
-            len(micro_batches), counts, local_count, min_count, failure, routing=routing
-        )[0]
+            if self.balance is not None:
+                self.balance.agree(self.balance.local())
+            return WindowCount(counts, local_count, local_count, None, min_count, 1, self.factor)
+        return self._agree_on_counts(len(micro_batches), counts, local_count, min_count, failure)[0]
 
     def _agree_on_counts(
         self,
@@ -335,7 +321,6 @@ class WindowEngine:
         tally: torch.Tensor | None = None,
         piece: Contribution | None = None,
         index: int = 0,
-        routing: torch.Tensor | None = None,
     ) -> tuple[WindowCount, list[float] | None]:
         """Collective 1: N, and everything every rank must know before its first forward.
 
@@ -360,8 +345,8 @@ class WindowEngine:
         ledger.add("oom_ranks", failure is not None and failure.oom)
         ledger.add("broadcasting_ranks", self.kind == "ddp" and self._synced.will_sync_module_buffers())  # type: ignore[operator]
         ledger.add("fingerprint", self._fingerprint)
-        if routing is not None:  # a load balance's (c, R): window statistics like N
-            ledger.add("routing", routing)
+        if self.balance is not None:  # (c, R): window statistics like N (zeros from a failed rank)
+            ledger.add("routing", self.balance.local())
         if replicas > 1:
             assert self.layout is not None
             ledger.add("replica_counts", replica_slots(self.layout, local_count, k))
@@ -406,12 +391,9 @@ class WindowEngine:
             global_count = global_count / replicas
         n = int(totals.global_count) // replicas
         reduced = settled.value("tally") if post is not None else None
-        balanced = None
-        if routing is not None and self.balance is not None:  # TP ranks add the same routing R times
-            balanced = self.balance.agree(settled.device("routing") / replicas)
-        counted = WindowCount(
-            counts, local_count, global_count, n, min_count, world, self.factor, post, balanced
-        )
+        if self.balance is not None:  # ranks that hold the same tokens (TP) add the same routing
+            self.balance.agree(settled.device("routing") / replicas)
+        counted = WindowCount(counts, local_count, global_count, n, min_count, world, self.factor, post)
         return counted, reduced  # type: ignore[return-value]
 
     def accumulate(

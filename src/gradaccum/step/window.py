@@ -64,9 +64,6 @@ class WindowCount:
     """Post-scaling's constant c (0-dim float64, or a Python float when it was known on the host):
     the backward ran on c * summed loss, and the gradients still need W/(N c)
     (:mod:`gradaccum.step.stream`); ``None`` under pre-scaling."""
-    balance: Any = None
-    """A load balance's agreed window statistics (:class:`gradaccum.moe.balancer.BalanceWindow`),
-    counted with N; ``None`` without one."""
 
     @property
     def empty(self) -> bool:
