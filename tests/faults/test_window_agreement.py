@@ -76,6 +76,18 @@ def _mismatch(rank: int, **per_rank: Any) -> None:
     acc.step(split(_local(rank), micro_batch=2), models.mlp_loss, models.count_rows)
 
 
+def _balance_mismatch(rank: int, coefs: tuple[float, float]) -> None:
+    """A load balance whose coefficient differs on rank 1: the same vector size in the counts
+    all-reduce, so only the fingerprint tells the ranks apart."""
+    from gradaccum.moe import LoadBalance
+
+    ddp = ddp_mlp()
+    router = ddp.module[2]  # any module whose output is logits over the "experts"
+    balance = LoadBalance(routers=[router], num_experts=3, top_k=1, coef=coefs[rank])
+    acc = Accumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), balance=balance)
+    acc.step(split(_local(rank), micro_batch=2), models.mlp_loss, models.count_rows)
+
+
 def _fsdp2_mismatch(rank: int, world: int, widths: dict[int, tuple[int, ...]]) -> None:
     """FSDP2 does not compare models across ranks when it wraps them; the fingerprint must."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -113,6 +125,7 @@ SCENARIOS = {
     "defer_sync differs": lambda r, w: _mismatch(r, defer_sync=(True, False)),
     "max_grad_norm differs": lambda r, w: _mismatch(r, max_grad_norm=(None, 1.0)),
     "scaler on one rank": lambda r, w: _mismatch(r, scaler=(None, torch.amp.GradScaler("cpu"))),
+    "load balance differs": lambda r, w: _balance_mismatch(r, (0.01, 0.02)),
     "parameter count differs": lambda r, w: _fsdp2_mismatch(r, w, {0: (5, 16, 3), 1: (5, 16, 16, 3)}),
     "parameter shapes differ": lambda r, w: _fsdp2_mismatch(r, w, {0: (5, 16, 3), 1: (5, 8, 3)}),
     "after all that, a clean step": lambda r, w: _step(
@@ -191,6 +204,7 @@ MISMATCHES = [
     ("defer_sync differs", "defer_sync: rank 0=True, rank 1=False"),
     ("max_grad_norm differs", "max_grad_norm: rank 0=None, rank 1=1.0"),
     ("scaler on one rank", "scaler: rank 0=None, rank 1='GradScaler'"),
+    ("load balance differs", "balance: rank 0='exact E=3 k=1 L=1 coef=0.01"),
     ("parameter count differs", "parameters: rank 0=4, rank 1=6"),
     (
         "parameter shapes differ",

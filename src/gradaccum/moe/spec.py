@@ -130,6 +130,14 @@ class LoadBalance:
                     f"but router(s) {missing} have none; name the buffer with bias_name= or drop bias_rate"
                 )
 
+    def describe(self) -> str:
+        """The settings every data rank must share (routers by count, not identity), for the ranks'
+        configuration fingerprint."""
+        return (
+            f"{self.mode} E={self.num_experts} k={self.top_k} L={self.layers} coef={self.coef!r} "
+            f"pooled={self.pooled} z={self.z_coef!r} bias={self.bias_rate!r}"
+        )
+
     @property
     def layers(self) -> int:
         """L: the routers, one row of counts each."""

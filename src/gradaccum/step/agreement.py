@@ -357,14 +357,25 @@ def rank_settings(settings: dict[str, Any], model: nn.Module) -> dict[str, Any]:
 
 
 def settings_fingerprint(
-    config: Any, kind: str, scaler: Any, model: nn.Module, *, distributed: bool, same_model: bool
+    config: Any,
+    kind: str,
+    scaler: Any,
+    model: nn.Module,
+    *,
+    distributed: bool,
+    same_model: bool,
+    balance: str | None = None,
 ) -> tuple[dict[str, Any], list[float]]:
     """The settings every rank must share (with the model's parameter table where the ranks hold
-    the same model; a pipeline's stages do not), and their :func:`fingerprint` under
+    the same model; a pipeline's stages do not; ``balance``: an MoE load balance's description),
+    and their :func:`fingerprint` under
     torch.distributed (empty on one process)."""
     settings: dict[str, Any] = dataclasses.asdict(config)
     settings["sync"] = kind
     settings["scaler"] = type(scaler).__name__ if scaler is not None else None
+    # a load balance adds a vector of its own size to the counts all-reduce: ranks must agree on it
+    # before that vector's length could make the all-reduce itself fail
+    settings["balance"] = balance
     if distributed and same_model:
         settings = rank_settings(settings, model)
     return settings, fingerprint(settings) if distributed else []

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from gradaccum.errors import CountError, LossError, WindowError
+from gradaccum.errors import CountError, LossError, TooManySkipsError, WindowError
 
-__all__ = ["as_count", "check_loss", "check_window_shapes", "sum_counts", "unmean"]
+__all__ = ["as_count", "check_loss", "check_skips", "check_window_shapes", "sum_counts", "unmean"]
 
 _INTEGER_DTYPES = frozenset(
     d for d in vars(torch).values() if isinstance(d, torch.dtype) and not d.is_floating_point
@@ -127,3 +127,14 @@ def sum_counts(
         stacked = stacked.to(device=device, non_blocking=True)
     total = stacked.sum(dtype=torch.float64)  # exact below 2**53, as the counts are integers
     return (total + host_counts if host_counts else total), stacked.min()
+
+
+def check_skips(consecutive: int, limit: int | None, reason: str) -> None:
+    """Stop a run whose updates keep being skipped (``max_consecutive_skips``): a diverging run
+    would otherwise go on without ever stepping."""
+    if limit is not None and consecutive > limit:
+        raise TooManySkipsError(
+            f"{consecutive} consecutive updates were skipped (limit "
+            f"max_consecutive_skips={limit}); last reason: {reason}. Check the data for windows "
+            "without valid units, the loss for overflow, or lower the learning rate."
+        )

@@ -55,7 +55,7 @@ from gradaccum.distributed.sync import (
     sync_kind,
     sync_module,
 )
-from gradaccum.errors import ConfigError, CountError, TooManySkipsError, WindowError
+from gradaccum.errors import ConfigError, CountError, WindowError
 from gradaccum.mesh.reduction import averaging_factor
 from gradaccum.mesh.step import (
     check_sync_policy,
@@ -77,7 +77,7 @@ from gradaccum.step.agreement import (
     settings_fingerprint,
     unreached_parameters,
 )
-from gradaccum.step.checks import as_count, check_window_shapes, sum_counts
+from gradaccum.step.checks import as_count, check_skips, check_window_shapes, sum_counts
 from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.external import ExternalStep
@@ -181,8 +181,15 @@ class WindowEngine:
         self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
         self._policy = check_sync_policy(config, self.kind, self.layout)
         # the ranks' models must match, but a pipeline's stages hold different parts of it
+        described = None if balance is None else balance.spec.describe()  # ranks agree on it too
         self._settings, self._fingerprint = settings_fingerprint(
-            config, self.kind, scaler, model, distributed=self._distributed, same_model=not pipeline
+            config,
+            self.kind,
+            scaler,
+            model,
+            distributed=self._distributed,
+            same_model=not pipeline,
+            balance=described,
         )
         self._noise = (
             noise_meter(self.model, self._params, self.kind, device=self.device, uniform=self._uniform)
@@ -556,13 +563,7 @@ class WindowEngine:
         self.zero_grad()
         self.steps_skipped += 1
         self.consecutive_skips += 1
-        limit = self.config.max_consecutive_skips
-        if limit is not None and self.consecutive_skips > limit:
-            raise TooManySkipsError(
-                f"{self.consecutive_skips} consecutive updates were skipped (limit "
-                f"max_consecutive_skips={limit}); last reason: {reason}. Check the data for windows "
-                "without valid units, the loss for overflow, or lower the learning rate."
-            )
+        check_skips(self.consecutive_skips, self.config.max_consecutive_skips, reason)
         self.emit("optimizer_end", 0)
         return StepResult(
             loss=loss,
