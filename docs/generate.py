@@ -173,7 +173,8 @@ def quickstart(accept_page: str) -> str:
 
         """
         )
-        + accept_page.split("## ", 1)[1].split("\n", 1)[1]
+        # the accept page's plots live beside it, in commands/img/
+        + accept_page.split("## ", 1)[1].split("\n", 1)[1].replace("](img/", "](commands/img/")
     )
 
 
