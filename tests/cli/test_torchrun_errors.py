@@ -16,21 +16,25 @@ from gradaccum.cli.main import _report
 from gradaccum.errors import CollectiveError, RankFailedError, RankFailure, WorkloadError
 from tests.faults.cli_runs import running, start
 
+REFUSED = (["verify", "--workload", "no_such_module_xyz:build"], "cannot import workload module")
+BAD_FLAG = (["verify", "--no-such-flag"], "unrecognized arguments: --no-such-flag")
+
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["verify", "--workload", "no_such_module_xyz:build"], "cannot import workload module"),
-        (["verify", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    ],
-    ids=["refused-input", "bad-flag"],
+    ("argv", "message", "monitor_s"),
+    [(*REFUSED, 5), (*BAD_FLAG, 5), (*REFUSED, None)],
+    ids=["refused-input", "bad-flag", "refused-input-default-monitor"],
 )
 def test_an_error_every_rank_raises_is_printed_once_under_torchrun(
-    tmp_path: Path, argv: list[str], message: str
+    tmp_path: Path, argv: list[str], message: str, monitor_s: int | None
 ) -> None:
-    with running(start(argv, tmp_path, torchrun=2)) as run:
+    # torchrun stops the other workers as soon as one exits with an error: checking every 5 s lets
+    # every rank that would print do so (each printed its own copy before); at the default interval
+    # rank 0 must still get its message out before a silent rank's exit stops it
+    extra = [f"--monitor-interval={monitor_s}"] if monitor_s is not None else []
+    with running(start(argv, tmp_path, torchrun=2, torchrun_args=extra)) as run:
         code = run.wait(150)
     assert code != 0, run.output()
     assert run.stderr.count(message) == 1, run.output()  # before: once per rank
