@@ -104,6 +104,14 @@ def _run(args: list[str], cwd: Path) -> tuple[int, str]:
     return proc.returncode, (proc.stdout + proc.stderr).rstrip()
 
 
+VENV_NOTE = (
+    "The commands run in the virtual environment `make run` creates: `source .venv/bin/activate` "
+    "first (or prefix them with `.venv/bin/`)."
+)
+"""Said on every generated page before its first command: after `make run` a bare `gradaccum` is
+not on the shell's path."""
+
+
 def _fence(text: str) -> str:
     return f"```text\n{text}\n```"
 
@@ -122,7 +130,7 @@ def command_page(command: str, examples: list[Example], *, fast: bool, scratch: 
     code, help_text = _run([command, "--help"], scratch)
     if code != 0:
         raise SystemExit(f"gradaccum {command} --help exited {code}:\n{help_text}")
-    lines = [f"# gradaccum {command}", "", _fence(help_text), ""]
+    lines = [f"# gradaccum {command}", "", VENV_NOTE, "", _fence(help_text), ""]
     for n, example in enumerate(examples):
         args = [command, *example.args, *(example.fast_args if fast else ())]
         code, output = _run(args, scratch)
@@ -160,11 +168,13 @@ def quickstart(accept_page: str) -> str:
         `make run` verifies that accumulating the bundled tiny GPT's batch as 4 micro-batches of 8
         (the baseline) and as 8 micro-batches of 4 (the candidate) gives the full-batch update, measures
         both side by side, and decides whether the candidate is worth adopting. What it printed when
-        these pages were generated:
+        these pages were generated (`gradaccum accept` is what `make run` runs; to run it yourself,
+        `source .venv/bin/activate` first, or prefix it with `.venv/bin/`):
 
         """
         )
-        + accept_page.split("## ", 1)[1].split("\n", 1)[1]
+        # the accept page's plots live beside it, in commands/img/
+        + accept_page.split("## ", 1)[1].split("\n", 1)[1].replace("](img/", "](commands/img/")
     )
 
 

@@ -27,6 +27,9 @@ def test_default_workload_passes_both_stages(capsys: pytest.CaptureFixture[str])
     assert "stage 2: 2 optimizer steps in float32" in out
     assert "trace tolerance:" in out
     assert "verdict: PASS" in out and "likely causes" not in out
+    # the scan's section says what it found in one line; its "run verify" note is not repeated here
+    assert "  scan for accum_steps=4: no layer or loss that couples examples found\n" in out
+    assert "verify: the scan recognises" not in out
 
 
 def test_explicit_partition_and_float32(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,6 +28,22 @@ def test_verify_compiles_the_candidate_and_passes_in_float64(aot_eager_default: 
     assert report.grad_max_rel_err < 1e-12
 
 
+def test_verify_compile_says_what_the_scan_of_the_compiled_model_found(
+    aot_eager_default: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradaccum.cli.main import main
+
+    code = main(["verify", "--compile", "--trace-steps", "0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    (scan,) = [line for line in lines if "scan for accum_steps=4" in line]
+    # one line with what was found, not a heading followed by the scan's note to run verify
+    found = "no layer or loss that couples examples found (the compiled forwards' source read too)"
+    assert scan.endswith(found)
+    assert lines[lines.index(scan) + 1].startswith("verdict: PASS")
+
+
 def test_train_compiled_records_recompiles_and_its_run_card_says_compile(
     aot_eager_default: None, tmp_path: Path
 ) -> None:

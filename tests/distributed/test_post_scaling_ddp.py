@@ -84,7 +84,7 @@ def _ddp_post(rank: int, world: int) -> dict[str, Any]:
         out[name] = costs
     # 4. a generator that raises mid-window on rank 1: every rank is told, gradients cleared. (With
     # buffers to broadcast, the ranks that ran their last forward would broadcast in the next window
-    # and rank 1 would not: refused there, as under pre-scaling; see NOTES.md.)
+    # and rank 1 would not: refused there, as under pre-scaling; see docs/design/limits.md.)
     ddp = DDP(models.gpt(), broadcast_buffers=False)
     acc = Accumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), scaling="post")
 

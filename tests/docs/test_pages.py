@@ -97,6 +97,53 @@ def test_a_command_page_shows_the_commands_real_output(tmp_path: Path) -> None:
     assert "usage: gradaccum plan" in page
     assert "global batch" in page.lower()
     assert page.count("Exit code 0.") == len(generate.PAGES["plan"])
+    _says_activate_before_the_first_command(page, "the generated plan page")
+
+
+# `make run` installs into .venv/, which is not on the shell's path: a page says so before the first
+# command a reader would type (a fenced line starting with gradaccum, torchrun or python; in the
+# README and on the home page also a command in running text)
+ACTIVATE = "source .venv/bin/activate"
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+_TYPED = re.compile(r"^(?:\$ )?(?:time )?(?:gradaccum|torchrun|python)\s+-{0,2}[\w./-]+(?:\s|$)")
+_INLINE = re.compile(r"`(?:time )?(?:gradaccum|torchrun) [a-z-]+[^`]*`")
+
+
+def _first_command(text: str, *, inline: bool) -> int | None:
+    """Where the first command a reader types starts (an offset into ``text``), or None."""
+    found = [
+        fence.start()
+        for fence in _FENCE.finditer(text)
+        if fence.group(1) not in ("python", "pycon")
+        and any(_TYPED.match(line.strip()) for line in fence.group(2).splitlines())
+    ][:1]
+    if inline:  # in running text: outside the fences (blanked with spaces, so offsets hold)
+        prose = _FENCE.sub(lambda m: " " * len(m.group(0)), text)
+        found += [m.start() for m in _INLINE.finditer(prose)][:1]
+    return min(found, default=None)
+
+
+def _says_activate_before_the_first_command(text: str, name: str, *, inline: bool = False) -> None:
+    first = _first_command(text, inline=inline)
+    if first is not None:
+        said = text.find(ACTIVATE)
+        shown = text[first : first + 80]
+        assert 0 <= said < first, f"{name} shows a command before saying `{ACTIVATE}`: {shown!r}"
+
+
+def test_the_readme_and_every_page_say_to_activate_the_environment_before_a_command() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert _first_command(readme, inline=True) is not None
+    _says_activate_before_the_first_command(readme, "README.md", inline=True)
+    home = (DOCS / "index.md").read_text(encoding="utf-8")
+    assert ACTIVATE in home
+    _says_activate_before_the_first_command(home, "index.md", inline=True)
+    pages = [p for p in DOCS.glob("*.md") if _first_command(p.read_text(encoding="utf-8"), inline=False)]
+    assert {p.name for p in pages} >= {"distributed.md", "tradeoffs.md", "rl.md"}
+    for page in pages:
+        _says_activate_before_the_first_command(page.read_text(encoding="utf-8"), page.name)
+    accept = "# gradaccum accept\n\n## The main job\n\n```bash\ngradaccum accept --no-progress\n```\n"
+    _says_activate_before_the_first_command(_generate().quickstart(accept), "the generated quickstart")
 
 
 def _run_example(name: str, processes: int, timeout_s: int) -> str:
@@ -155,3 +202,24 @@ def test_links_in_the_repository_lead_to_a_file_or_say_the_page_is_generated() -
 @pytest.mark.timeout(300)
 def test_the_mesh_example_runs_exactly_on_four_processes() -> None:
     assert "mesh dp_shard=2 x tp=2: " in _run_example("mesh_accumulate.py", processes=4, timeout_s=280)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_grpo_example_trains_with_trl_and_verifies_exactly() -> None:
+    pytest.importorskip("trl")
+    assert '--8<-- "examples/grpo_exact.py"' in (DOCS / "rl.md").read_text(encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, str(DOCS / "examples" / "grpo_exact.py")],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "aggregation: token-mean, updates: 2" in proc.stdout, proc.stdout
+    # the report prints in a few lines (its __str__), not as the dataclass's screenful
+    match = re.search(r"^  PASS: gradient max rel err (\S+) ", proc.stdout, re.M)
+    assert match is not None, proc.stdout
+    assert float(match.group(1)) <= 1e-12  # float64, summation order only
+    assert "ParamRow" not in proc.stdout and len(proc.stdout.splitlines()) <= 6

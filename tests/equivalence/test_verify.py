@@ -42,6 +42,21 @@ def test_tiny_gpt_passes(sizes: list[int] | None) -> None:
     assert report.raise_if_failed() is report
 
 
+def test_a_printed_report_is_a_few_lines_with_the_verdict_and_the_causes() -> None:
+    passed = verify_workload(tiny_gpt())
+    text = str(passed)
+    assert text.splitlines() == [
+        "tiny_gpt: Accumulator.step over 4 micro-batches of 2 examples against the full batch",
+        f"  {passed.summary()}",
+        "  denominator: consistent: count_fn counts exactly the 136 positions the loss uses",
+    ]
+    assert "ParamRow" in repr(passed) and "ParamRow" not in text  # the repr keeps every row
+    failed = str(verify_workload(bn_cnn()))
+    assert "  FAIL: gradient max rel err" in failed
+    assert "  likely cause: BatchNorm2d at `layer1.0.bn1` normalizes each micro-batch separately" in failed
+    assert len(failed.splitlines()) == 6  # three lines and one per BatchNorm
+
+
 def test_post_scaling_is_checked_with_the_same_tolerances() -> None:
     # the candidate streams the window and scales the gradients once after it (issue 22): one
     # rounding more than pre-scaling, still far inside EXACT in float64

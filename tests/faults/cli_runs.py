@@ -90,9 +90,10 @@ def start(
     torchrun: int | None = None,
     preexec: Callable[[], Any] | None = None,
     name: str = "run",
+    torchrun_args: Sequence[str] = (),
 ) -> Run:
-    """``python -m gradaccum ARGV`` (or ``torchrun --nproc-per-node N -m gradaccum ARGV``) in the
-    repository root, output to files under ``tmp``."""
+    """``python -m gradaccum ARGV`` (or ``torchrun --nproc-per-node N [TORCHRUN_ARGS] -m gradaccum
+    ARGV``) in the repository root, output to files under ``tmp``."""
     if torchrun is None:
         command = [sys.executable, "-m", "gradaccum", *argv]
     else:
@@ -102,6 +103,7 @@ def start(
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={torchrun}",
+            *torchrun_args,
             "-m",
             "gradaccum",
             *argv,

@@ -37,7 +37,8 @@ SETTLE_FACTOR = 2.0
 """The settled batch lies in [B_noise / 2, 2 B_noise]. Measured over 16 runs (seeds 0-7, two
 weights, micro-batch 4, min_updates 20, 160 windows): settled / B_noise 1.11-1.61; the floor is the
 rounding up to whole micro-batches (12 / 10.83 = 1.11 at the initial weights), the rest the spread
-of an estimate over 20 windows of 2-4 micro-batches of 4 rows (heavy-tailed: NOTES, issue 15)."""
+of an estimate over 20 windows of 2-4 micro-batches of 4 rows (heavy-tailed: see "The gradient
+noise scale" in docs/design/training.md)."""
 
 
 def _at(fraction: float) -> torch.nn.Module:

@@ -108,6 +108,18 @@ class EquivalenceReport:
             f"{self.dtype}, micro-batches {list(self.sizes)}"
         )
 
+    def __str__(self) -> str:
+        """A few lines to print: what was compared, the verdict with its errors, the denominator,
+        and the likely causes of a failure (the dataclass's repr holds every parameter's row)."""
+        what = f"{self.name}: " if self.name else ""
+        lines = [
+            f"{what}{self.candidate} over {describe_sizes(self.sizes)} against the full batch",
+            f"  {self.summary()}",
+            f"  denominator: {self.audit_summary}",
+        ]
+        lines += [f"  likely cause: {c}" for c in self.likely_causes]
+        return "\n".join(lines)
+
     def raise_if_failed(self) -> EquivalenceReport:
         """Raise :class:`EquivalenceError` naming the likely causes unless the check passed."""
         if not self.passed:
@@ -153,6 +165,9 @@ class TraceReport:
     """The workload's name, when there is one."""
     device: str = "cpu"
     """Where the traces ran."""
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.summary()}" if self.name else self.summary()
 
     def summary(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"

@@ -64,8 +64,10 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        from gradaccum.cli.once import say_once
+
+        # every rank parses the same command line: under torchrun one message is enough
+        say_once(f"{self.format_usage().rstrip()}\n{self.prog}: error: {message}", alike=True)
         raise SystemExit(EXIT_BAD_INPUT)
 
 
@@ -155,6 +157,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
 
 def _report(args: argparse.Namespace, exc: Exception) -> int:
     """Print one message for a command that raised, and choose its exit code (or re-raise a bug)."""
+    from gradaccum.cli.once import say_once
     from gradaccum.errors import (
         CheckpointWriteError,
         CollectiveError,
@@ -164,22 +167,36 @@ def _report(args: argparse.Namespace, exc: Exception) -> int:
     )
 
     prog = f"gradaccum {args.command}"
+
+    def say(text: str) -> None:  # once per torchrun job where every rank says the same
+        say_once(text, alike=_alike_on_every_rank(exc))
+
     oom = _out_of_memory(exc)
     if oom is not None:
-        print(f"{prog}: failed: {_oom_message(args, oom)}", file=sys.stderr)
+        say(f"{prog}: failed: {_oom_message(args, oom)}")
         return EXIT_FAILED
     if isinstance(exc, (RankFailedError, CollectiveError, TooManySkipsError, CheckpointWriteError)):
         # the input was fine; the run itself failed (another rank, the network, the loss, the disk)
-        print(f"{prog}: failed: {exc}", file=sys.stderr)
+        say(f"{prog}: failed: {exc}")
         return EXIT_FAILED
     if isinstance(exc, GradAccumError):
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        say(f"{prog}: error: {exc}")
         return EXIT_BAD_INPUT
     if isinstance(exc, OSError):  # a disk that filled up, a folder that vanished
         where = f" ({exc.filename})" if exc.filename else ""
-        print(f"{prog}: failed: {exc.strerror or exc}{where}", file=sys.stderr)
+        say(f"{prog}: failed: {exc.strerror or exc}{where}")
         return EXIT_FAILED
     raise exc
+
+
+def _alike_on_every_rank(exc: Exception) -> bool:
+    """Whether every rank is expected to raise this error with the same message: bad input is
+    refused on every rank alike, and a failure the ranks agreed on names the failing rank in every
+    rank's message. Not so for a collective that failed (which rank stopped is seen differently), or
+    an error of this process alone (its disk, its memory, a bug)."""
+    from gradaccum.errors import CollectiveError, GradAccumError
+
+    return isinstance(exc, GradAccumError) and not isinstance(exc, (CollectiveError, OSError))
 
 
 # -- out of memory -------------------------------------------------------------------------------
