@@ -1,0 +1,148 @@
+"""The MoE balancing term of a routing transformers model, made exact inside ``ExactTrainer``.
+
+A model whose config has ``output_router_logits=True`` adds ``router_aux_loss_coef * aux_loss`` to
+its ``.loss``, with ``aux_loss`` computed on each micro-batch alone: under accumulation the update
+then follows another objective than the full batch's (5e-2 relative L2 on a tiny Mixtral, exactly
+as far as plain ``Trainer``). ``ExactTrainer`` instead:
+
+1. turns the model's own term off around its training forwards (``output_router_logits=False`` on
+   the config for the duration, restored afterwards; evaluation keeps the model's own loss);
+2. at the window's prefetch (``get_batch_samples``), before the first backward, runs the routing
+   pass of :class:`gradaccum.moe.WindowBalance` (no-grad forwards of the unwrapped model in training
+   mode, RNG replayed) and sums the routing statistics ``(c, R)`` on all ranks in the window's one
+   count all-reduce;
+3. adds micro-batch ``m``'s part of the window's term (times W, which DDP's averaging divides out)
+   to the loss ``compute_loss`` returns, inside ``training_step`` only.
+
+A training forward that routes differently from its routing pass (randomness the pass cannot
+replay) raises :class:`~gradaccum.errors.EquivalenceError` before the window's update, on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gradaccum.distributed import dist
+from gradaccum.errors import ConfigError
+from gradaccum.moe.balancer import BalanceWindow, WindowBalance
+from gradaccum.moe.spec import LoadBalance
+
+__all__ = ["TrainerBalance", "trainer_balance"]
+
+
+def _mask(micro_batch: Any) -> torch.Tensor | None:
+    """The attention mask of a Trainer micro-batch (a dict or a ``BatchEncoding``)."""
+    if isinstance(micro_batch, Mapping):
+        mask = micro_batch.get("attention_mask")
+        return mask if isinstance(mask, torch.Tensor) else None
+    return None
+
+
+def trainer_balance(core: nn.Module, device: torch.device) -> TrainerBalance | None:
+    """The exact balance of a routing model whose forward adds its own balancing loss, else ``None``
+    (a dense model, or a model with ``output_router_logits`` off or a zero coefficient: its loss holds
+    no balancing term, so there is nothing to make exact)."""
+    config = getattr(core, "config", None)
+    if getattr(config, "output_router_logits", None) is not True:
+        return None
+    try:
+        spec = LoadBalance.from_model(core)
+    except ConfigError:
+        return None  # no routers found: the model's loss holds no balancing term gradaccum knows
+    if spec.coef == 0:
+        return None
+    return TrainerBalance(core, dataclasses.replace(spec, mask_fn=_mask), device)
+
+
+class TrainerBalance:
+    """One trainer's load balance: the routing pass, the window's agreed statistics, each term."""
+
+    def __init__(self, core: nn.Module, spec: LoadBalance, device: torch.device) -> None:
+        self.core = core
+        self.balance = WindowBalance(spec, device)
+        self._window: BalanceWindow | None = None
+        self._index: dict[int, int] = {}
+        self._current = 0
+        self._rejected = 0.0
+
+    @property
+    def size(self) -> int:
+        """Length of the statistics vector riding in the count all-reduce."""
+        return self.balance.size
+
+    @contextlib.contextmanager
+    def own_term_off(self) -> Iterator[None]:
+        """The model's config with ``output_router_logits=False``: its forward adds no term of its own."""
+        config: Any = self.core.config
+        before = config.output_router_logits
+        config.output_router_logits = False
+        try:
+            yield
+        finally:
+            config.output_router_logits = before
+
+    def count(
+        self, micro_batches: Sequence[Any], prepare: Callable[[Any], Any], context: Callable[[], Any]
+    ) -> torch.Tensor:
+        """This rank's ``(c, R, M)`` vector from the routing pass over the window (the model in
+        training mode as ``training_step`` puts it, under the trainer's autocast context)."""
+        core, was = self.core, self.core.training
+
+        def forward(mb: Any) -> Any:
+            inputs = prepare(dict(mb) if isinstance(mb, Mapping) else mb)
+            with context():
+                return core(**inputs) if isinstance(inputs, Mapping) else core(inputs)
+
+        core.train()
+        try:
+            with self.own_term_off():
+                self.balance.use(forward)
+                self.balance.count(micro_batches)
+                return self.balance.local()
+        finally:
+            core.train(was)
+
+    def agree(self, vector: torch.Tensor, micro_batches: Sequence[Any]) -> None:
+        """The window's statistics from the summed vector; each micro-batch's place in the window."""
+        self._window = self.balance.agree(vector)
+        self._index = {id(mb): i for i, mb in enumerate(micro_batches)}
+        self._rejected = 0.0
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """Capture the routers' logits of one training forward (the model's own term off)."""
+        with self.own_term_off(), self.balance.capture.recording(graph=True) as records:
+            yield records
+
+    def begin(self, micro_batch: Any) -> None:
+        """``training_step`` is about to run ``micro_batch`` (as prefetched): its place in the window."""
+        index = self._index.get(id(micro_batch))
+        if self._window is None or index is None:
+            raise ConfigError(
+                "ExactTrainer balances a routing model over the window its get_batch_samples counted, "
+                "but training_step was given a micro-batch that is not in that window. Call "
+                "trainer.train(), which hands training_step the prefetched micro-batches."
+            )
+        self._current = index
+
+    def term(self, inputs: Any, records: Sequence[tuple[int, torch.Tensor]], world: int) -> torch.Tensor:
+        """The current micro-batch's part of the window's term; a routing that differs from its pass
+        is refused before the window's update (under DDP, every rank meets at the last micro-batch)."""
+        window, index = self._window, self._current
+        assert window is not None  # begin() checked
+        term, rejected = self.balance.term(window, index, inputs, records)
+        if rejected is not None:
+            self._rejected += float(rejected)
+        if world > 1 and index == len(self._index) - 1:
+            # before the last (synchronizing) backward: every rank learns of any rank's veto
+            flag = torch.tensor([self._rejected], dtype=torch.float64, device=self.balance.device)
+            self._rejected = float(dist.all_reduce_sum_(flag, what="the routing-pass verdict").item())
+        if self._rejected and (world == 1 or index == len(self._index) - 1):
+            raise self.balance.rejection(int(self._rejected))
+        return term * world
