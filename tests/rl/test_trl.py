@@ -141,3 +141,32 @@ def test_dpo_update_is_the_mean_over_all_pairs(dpo_runs: dict) -> None:
     assert common.rel_err(dpo_runs["plain"][1].grads[0], want) > 1e-2  # (mean of 4 + mean of 2) / 2
     report = trainer.verify_accumulation()
     assert report.passed and report.sizes == (4, 2), report.summary()
+
+
+def test_grpo_refuses_an_moe_policy_with_its_balancing_loss(tmp_path: Path) -> None:
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from tests.helpers.moe import tiny_moe
+
+    tok = trl_common.tokenizer()
+    policy = tiny_moe("mixtral", layers=1)  # 4 experts, top-2, router_aux_loss_coef=0.05
+    policy.resize_token_embeddings(len(tok))
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        num_generations=2,
+        **trl_common.COMMON,
+    )
+    with pytest.raises(
+        ConfigError, match=r"MoE policy with its balancing loss \(router_aux_loss_coef=0.05\)"
+    ):
+        ExactGRPO(
+            model=policy,
+            reward_funcs=[trl_common.reward],
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": trl_common.PROMPTS}),
+            processing_class=tok,
+        )

@@ -425,7 +425,15 @@ def _refuse_unsupported_grpo(trainer: ExactGRPOTrainer) -> None:
             "token mean over k, which the exact scaling of the policy loss would rescale too"
         )
     if getattr(trainer, "aux_loss_enabled", False):
-        raise ConfigError(f"{name} does not take a MoE auxiliary loss: TRL adds it per micro-batch over k")
+        raise ConfigError(
+            f"{name} does not train an MoE policy with its balancing loss (router_aux_loss_coef="
+            f"{getattr(trainer, 'router_aux_loss_coef', None)}): TRL computes it inside each micro-batch's "
+            "forward from that micro-batch's routed tokens, and this trainer does not count the update's "
+            "routing statistics (tokens per expert, routed rows) before its first backward, so the term "
+            "would not be the update's. Pass GRPOConfig(router_aux_loss_coef=0.0) (the update is then "
+            "exact, without balancing), or train the policy with gradaccum.Accumulator(..., "
+            "balance=gradaccum.moe.LoadBalance.from_model(policy)), whose term is exact over the window."
+        )
     if trainer.is_deepspeed_enabled:
         raise ConfigError(f"{name} does not run under DeepSpeed, which scales the loss by k itself")
 
