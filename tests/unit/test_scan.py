@@ -131,6 +131,9 @@ def test_moe_routers_are_recognised_once_per_block() -> None:
     assert [(f.path, f.kind) for f in found] == [("0", "SparseMoEBlock"), ("2.0", "Top2Gate")]
     assert found[0].severity == "error" and found[0].figures["num_experts"] == 4
     assert "balancing loss once per optimizer step" in found[0].fix
+    # it points to the fix and says what its modes do
+    assert "gradaccum.moe.LoadBalance.from_model(model)" in found[0].fix
+    assert all(f"'{mode}'" in found[0].fix for mode in ("exact", "lagged", "micro-batch"))
     # other rules still look inside the block
     assert [f.path for f in _by_code(scan(model, 4), "random-layer")] == ["0.drop"]
 
@@ -209,6 +212,7 @@ def test_a_router_whose_balancing_loss_is_off_is_a_note_not_an_error() -> None:
     (off,) = _by_code(scan(MoEModel(False), 4), "moe-router")
     assert off.severity == "info" and not off.breaks_equivalence
     assert "output_router_logits=False" in off.explanation and "exact" in off.explanation
+    assert "LoadBalance" in off.fix
     (on,) = _by_code(scan(MoEModel(True), 4), "moe-router")
     assert on.severity == "error"
     # an expert capacity drops tokens per forward: still an error with the loss off

@@ -314,6 +314,18 @@ def _has_capacity(module: nn.Module, root: nn.Module) -> bool:
     return any(getattr(o, name, None) not in (None, 0, False) for o in owners for name in _CAPACITY_NAMES)
 
 
+_LOAD_BALANCE = (
+    "gradaccum.Accumulator(model, optimizer, balance=gradaccum.moe.LoadBalance.from_model(model)) "
+    "computes the balancing loss once per optimizer step from the window's routing statistics "
+    "(tokens per expert, routed rows, summed router probabilities), with loss_fn returning the "
+    "cross-entropy only (exact_trainer(Trainer) does it for a transformers model by itself). "
+    "LoadBalance modes: 'exact' (default) counts the window in a no-grad routing pass first, the "
+    "full batch's objective at up to two forwards per micro-batch; 'lagged' uses the previous "
+    "window's counts at one forward; 'micro-batch' is the per-forward term, for comparison"
+)
+"""The moe-router finding's fix: what makes the balancing loss the batch's, and what the modes do."""
+
+
 def _router_finding(path: str, module: nn.Module, k: int, root: nn.Module) -> Finding:
     figures: dict[str, float] = {"accum_steps": float(k)}
     count_name = _has_any(module, EXPERT_COUNT_NAMES)
@@ -334,10 +346,7 @@ def _router_finding(path: str, module: nn.Module, k: int, root: nn.Module) -> Fi
                 f"and the update over {k} micro-batches is exact (verify measures it). Turning the "
                 "balancing loss on (output_router_logits=True) makes it a per-forward batch statistic."
             ),
-            fix=(
-                "None needed while the balancing loss is off. With it on, accumulate the routing "
-                "statistics over the window and compute the balancing loss once per optimizer step."
-            ),
+            fix=f"None needed while the balancing loss is off. With it on: {_LOAD_BALANCE}.",
             figures=figures,
         )
     return Finding(
@@ -353,9 +362,8 @@ def _router_finding(path: str, module: nn.Module, k: int, root: nn.Module) -> Fi
             "tokens are dropped) is computed per forward too."
         ),
         fix=(
-            "accumulate the routing statistics (tokens per expert, summed router probabilities) over "
-            "the window and compute the balancing loss once per optimizer step (global-batch load "
-            "balancing), or accept the difference and let verify measure it."
+            f"balance over the window: {_LOAD_BALANCE}; or accept the difference and let verify "
+            "measure it (it reports how far lagged and micro-batch balancing are from exact)."
         ),
         figures=figures,
     )
@@ -398,7 +406,8 @@ KNOWN_HAZARDS: dict[str, _Hazard] = {
         "adds a mixture-of-experts load-balancing loss computed per forward",
         "Balancing statistics over micro-batches of {b} examples are not those over the {all} of the step.",
         "Balancing statistics over 1/{k} of the step's examples are not those over the whole step.",
-        "accumulate the routing statistics over the window and compute the balancing loss once per step.",
+        "balance over the window with gradaccum.moe.LoadBalance (Accumulator(..., balance=...)): the "
+        "balancing loss computed once per step from the window's routing statistics.",
     ),
 }
 """Hazards a workload may declare for its loss (``Workload.declared_hazards``), by name."""
