@@ -326,6 +326,16 @@ def run(args: argparse.Namespace) -> int:
     if args.cached:
         report = dataclasses.replace(report, findings=tuple(_handled_by_cache(f) for f in report.findings))
     _render_report(report, workload)
+    balance = None
+    if not args.cached:  # an MoE model: the balancing term, and how far lagged/micro-batch are
+        from gradaccum.check.balance import verify_balance
+
+        balance = verify_balance(
+            workload, micro_batch=args.micro_batch, sizes=args.sizes, dtype=dtype_of(args.dtype),
+            device=device, seed=args.seed,
+        )  # fmt: skip
+        if balance is not None:
+            console.print(escape(balance.summary()))
     trace = None
     if args.cached and args.trace_steps:
         console.print("[bold]stage 2[/bold]: not run with --cached (the trace comparison drives Accumulator)")
@@ -342,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         _render_trace(trace)
     elif args.trace_steps:
         console.print("[bold]stage 2[/bold]: not run, because stage 1 failed")
-    passed = report.passed and (trace is None or trace.passed)
+    passed = report.passed and (trace is None or trace.passed) and (balance is None or balance.passed)
     weak = weak_reasons(report, workload) if passed else []
     for reason in weak:
         console.print(f"[yellow]weak check[/yellow]: {escape(reason)}")
