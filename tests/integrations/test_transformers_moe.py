@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import Trainer
 
-from gradaccum.errors import EquivalenceError
+from gradaccum.errors import ConfigError, EquivalenceError
 from gradaccum.integrations.transformers import exact_trainer
 from tests.helpers import moe as h
 from tests.integrations import common
@@ -52,6 +52,8 @@ def test_exact_trainer_on_a_routing_mixtral_equals_the_full_batch_objective(runs
     assert trainer.balance is not None and trainer.loss_form == "sum"
     assert h.rel_l2(update, runs["want"]) < 1e-6
     assert model.config.output_router_logits is True  # turned off only around the training forwards
+    with pytest.raises(ConfigError, match="does not check a routing model's balancing term"):
+        trainer.verify_accumulation()
 
 
 def test_plain_trainer_balances_each_micro_batch(runs: dict[str, Any]) -> None:

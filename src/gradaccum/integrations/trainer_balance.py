@@ -33,7 +33,7 @@ from gradaccum.errors import ConfigError
 from gradaccum.moe.balancer import BalanceWindow, WindowBalance
 from gradaccum.moe.spec import LoadBalance
 
-__all__ = ["TrainerBalance", "trainer_balance"]
+__all__ = ["TrainerBalance", "own_term_off", "trainer_balance"]
 
 
 def _mask(micro_batch: Any) -> torch.Tensor | None:
@@ -42,6 +42,11 @@ def _mask(micro_batch: Any) -> torch.Tensor | None:
         mask = micro_batch.get("attention_mask")
         return mask if isinstance(mask, torch.Tensor) else None
     return None
+
+
+def own_term_off(balance: TrainerBalance | None) -> contextlib.AbstractContextManager[None]:
+    """The model's own balancing term off (nothing to do without a balance)."""
+    return contextlib.nullcontext() if balance is None else balance.own_term_off()
 
 
 def trainer_balance(core: nn.Module, device: torch.device) -> TrainerBalance | None:
@@ -69,6 +74,7 @@ class TrainerBalance:
         self._window: BalanceWindow | None = None
         self._index: dict[int, int] = {}
         self._current = 0
+        self._active = False
         self._rejected = 0.0
 
     @property
@@ -87,16 +93,14 @@ class TrainerBalance:
         finally:
             config.output_router_logits = before
 
-    def count(
-        self, micro_batches: Sequence[Any], prepare: Callable[[Any], Any], context: Callable[[], Any]
-    ) -> torch.Tensor:
-        """This rank's ``(c, R, M)`` vector from the routing pass over the window (the model in
-        training mode as ``training_step`` puts it, under the trainer's autocast context)."""
+    def count(self, micro_batches: Sequence[Any], trainer: Any) -> torch.Tensor:
+        """This rank's ``(c, R, M)`` vector from the routing pass over the window: the model in
+        training mode as ``training_step`` puts it, inputs prepared and autocast as the trainer's."""
         core, was = self.core, self.core.training
 
         def forward(mb: Any) -> Any:
-            inputs = prepare(dict(mb) if isinstance(mb, Mapping) else mb)
-            with context():
+            inputs = trainer._prepare_inputs(dict(mb) if isinstance(mb, Mapping) else mb)
+            with trainer.compute_loss_context_manager():
                 return core(**inputs) if isinstance(inputs, Mapping) else core(inputs)
 
         core.train()
@@ -120,8 +124,9 @@ class TrainerBalance:
         with self.own_term_off(), self.balance.capture.recording(graph=True) as records:
             yield records
 
-    def begin(self, micro_batch: Any) -> None:
-        """``training_step`` is about to run ``micro_batch`` (as prefetched): its place in the window."""
+    @contextlib.contextmanager
+    def running(self, micro_batch: Any) -> Iterator[None]:
+        """``training_step`` runs ``micro_batch`` (as prefetched) inside: its place in the window."""
         index = self._index.get(id(micro_batch))
         if self._window is None or index is None:
             raise ConfigError(
@@ -129,13 +134,41 @@ class TrainerBalance:
                 "but training_step was given a micro-batch that is not in that window. Call "
                 "trainer.train(), which hands training_step the prefetched micro-batches."
             )
-        self._current = index
+        self._current, self._active = index, True
+        try:
+            yield
+        finally:
+            self._active = False
+
+    def add_term(self, loss: Callable[[], Any], inputs: Any, trainer: Any) -> Any:
+        """``loss()`` (``compute_loss``'s result), plus this micro-batch's part of the window's term
+        inside ``training_step``; a per-micro-batch-mean loss, which Trainer divides by ``D / n_j``
+        (``current_gradient_accumulation_steps``), gets the term times that divisor."""
+        if not self._active:
+            return loss()
+        with self.recording() as records:
+            out = loss()
+        term = self.term(inputs, records, max(int(trainer.args.world_size), 1))
+        if trainer.loss_form == "mean":
+            term = term * trainer.current_gradient_accumulation_steps
+        if isinstance(out, tuple):
+            return (out[0] + term.to(out[0].dtype), *out[1:])
+        return out + term.to(out.dtype)
+
+    @staticmethod
+    def unverifiable() -> ConfigError:
+        """``verify_accumulation``'s refusal: its full-batch reference is the model's own loss."""
+        return ConfigError(
+            "verify_accumulation does not check a routing model's balancing term (its full-batch "
+            "reference is the model's own loss); check it with `gradaccum verify` on a workload of "
+            "this model, which compares the balanced update with the full batch's objective"
+        )
 
     def term(self, inputs: Any, records: Sequence[tuple[int, torch.Tensor]], world: int) -> torch.Tensor:
         """The current micro-batch's part of the window's term; a routing that differs from its pass
         is refused before the window's update (under DDP, every rank meets at the last micro-batch)."""
         window, index = self._window, self._current
-        assert window is not None  # begin() checked
+        assert window is not None  # running() checked
         term, rejected = self.balance.term(window, index, inputs, records)
         if rejected is not None:
             self._rejected += float(rejected)

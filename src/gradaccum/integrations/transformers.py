@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,7 +59,7 @@ from gradaccum.check.equivalence import verify
 from gradaccum.check.report import EquivalenceReport
 from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError, CountError, EquivalenceError, LossError
-from gradaccum.integrations.trainer_balance import trainer_balance
+from gradaccum.integrations.trainer_balance import own_term_off, trainer_balance
 from gradaccum.loss import IGNORE_INDEX, valid_tokens
 
 __all__ = ["ExactConfig", "ExactTrainer", "exact_trainer"]
@@ -169,9 +170,7 @@ class ExactTrainer(Trainer):
         self.loss_is_scaled_for_ga = True
         self._window: _Window | None = None
         self.balance = trainer_balance(core, self.args.device)
-        """A routing model's balancing term made exact over the window (``None``: the model's loss
-        holds none); see :mod:`gradaccum.integrations.trainer_balance`."""
-        self._balancing = False
+        """A routing model's exact balancing term (:mod:`gradaccum.integrations.trainer_balance`)."""
 
     # -- the window: counted once, before its first backward -------------------------------------
 
@@ -194,14 +193,11 @@ class ExactTrainer(Trainer):
         counts = [torch.as_tensor(self.count(mb), device=device) for mb in micro_batches]
         local = torch.stack(counts).to(torch.float64).sum()
         first = self.loss_form is None
-        if first:
-            self.loss_form = self._loss_form_of(model, micro_batches, counts)
         balance = self.balance
-        routing = (
-            None
-            if balance is None
-            else balance.count(micro_batches, self._prepare_inputs, self.compute_loss_context_manager)
-        )
+        if first:
+            with own_term_off(balance):
+                self.loss_form = self._loss_form_of(model, micro_batches, counts)
+        routing = None if balance is None else balance.count(micro_batches, self)
         if world > 1:
             # [N, ranks that measured, form, form^2] summed over the ranks, in the counts' one small
             # all-reduce: the M ranks that measured agree iff M * sum(f^2) == sum(f)^2, and a rank
@@ -211,9 +207,7 @@ class ExactTrainer(Trainer):
             # a routing model's (c, R, M) rides in the same all-reduce
             vector = [local.reshape(1), local.new_tensor(flags)] + ([] if routing is None else [routing])
             meta = dist.all_reduce_sum_(torch.cat(vector), what="the window's token counts")
-            if routing is not None and balance is not None:
-                routing = meta[4:]
-                meta = meta[:4]
+            routing, meta = (None if routing is None else meta[4:]), meta[:4]
             if first:
                 measured, total, squares = meta[1:].tolist()
                 if measured * squares != total * total:
@@ -278,34 +272,13 @@ class ExactTrainer(Trainer):
             self.current_gradient_accumulation_steps = window.divisor / count
         else:
             self.loss_is_scaled_for_ga = True
-        self._balancing = self.balance is not None
-        if self.balance is not None:
-            self.balance.begin(inputs)
-        try:
+        with contextlib.nullcontext() if self.balance is None else self.balance.running(inputs):
             return super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            self._balancing = False
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> Any:
-        """Trainer's ``compute_loss``; in ``training_step`` of a routing model, plus the micro-batch's
-        part of the window's exact balancing term instead of the model's per-micro-batch one."""
-        balance = self.balance
-        if balance is None or not self._balancing:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        with balance.recording() as records:
-            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        term = balance.term(inputs, records, max(int(self.args.world_size), 1))
-        if self.loss_form == "mean":  # Trainer divides this loss by D / n_j: the term survives it
-            term = term * self.current_gradient_accumulation_steps
-        if isinstance(out, tuple):
-            return (out[0] + term.to(out[0].dtype), *out[1:])
-        return out + term.to(out.dtype)
+    def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's; in a routing model's ``training_step``, plus its part of the window's term."""
+        loss = functools.partial(super().compute_loss, model, inputs, *args, **kwargs)
+        return loss() if self.balance is None else self.balance.add_term(loss, inputs, self)
 
     def _loss_form_of(
         self, model: nn.Module, micro_batches: Sequence[Any], counts: Sequence[Any]
@@ -341,13 +314,7 @@ class ExactTrainer(Trainer):
     def _loss_at(self, model: nn.Module, micro_batch: Any, divisor: float) -> float:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         inputs = dict(micro_batch) if isinstance(micro_batch, Mapping) else micro_batch  # compute_loss pops
-        own_off = contextlib.nullcontext() if self.balance is None else self.balance.own_term_off()
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.no_grad(),
-            self.compute_loss_context_manager(),
-            own_off,
-        ):
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), self.compute_loss_context_manager():
             torch.manual_seed(0)  # both calls draw the same dropout masks
             items = torch.tensor(divisor, dtype=torch.float64, device=self.args.device)
             loss = self.compute_loss(model, inputs, num_items_in_batch=items)
@@ -379,6 +346,8 @@ class ExactTrainer(Trainer):
                 "verify_accumulation runs in float64, but this trainer's fp16 GradScaler would scale its "
                 "gradients. Run the check from a trainer built with fp16=False (bf16 is fine)."
             )
+        if self.balance is not None:
+            raise self.balance.unverifiable()
         k, m = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size
         loader = self.get_train_dataloader()
         if examples is None:
