@@ -21,6 +21,7 @@ from transformers import Trainer
 from gradaccum.errors import ConfigError, EquivalenceError
 from gradaccum.integrations.transformers import exact_trainer
 from tests.helpers import moe as h
+from tests.helpers.launcher import run_ranks, values
 from tests.integrations import common
 from tests.integrations.test_transformers import K, M, train, training_args
 
@@ -91,3 +92,28 @@ def test_a_dense_model_is_trained_as_before(tmp_path: Path) -> None:
         model=common.gpt2(), args=training_args(tmp_path), train_dataset=[], data_collator=common.collate
     )
     assert trainer.balance is None
+
+
+def _ddp_ranks(rank: int, world: int, out: str) -> dict[str, Any]:
+    common.distributed_env(rank, world)
+    data = common.sequences(K * M * world)
+    model = routing_mixtral()
+    train(
+        exact_trainer(Trainer),
+        model,
+        data,
+        Path(out) / f"exact-{rank}",
+        args=training_args(out, learning_rate=1.0),
+    )
+    return {"params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.distributed
+def test_two_process_ddp_routing_statistics_summed_over_the_ranks(tmp_path: Path) -> None:
+    ranks = values(run_ranks(_ddp_ranks, str(tmp_path), timeout_s=180))
+    seqs = [example["input_ids"] for example in common.sequences(K * M * 2)]
+    start = [p.detach().clone() for p in routing_mixtral().parameters()]
+    want = h.reference_update(routing_mixtral(), seqs, coef=COEF)
+    for r in ranks:  # each rank holds uneven tokens; (c, R) and N are the full batch's on both
+        assert h.rel_l2([p - b for p, b in zip(r["params"], start, strict=True)], want) < 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True))
