@@ -28,29 +28,52 @@ import torch.nn as nn
 
 from gradaccum.distributed import dist
 from gradaccum.distributed.sync import SyncKind, sync_module
+from gradaccum.errors import ConfigError
 
 __all__ = ["averaging_factor", "clip_mesh_grads_", "local_squares"]
 
 
+def _group_divisor(group: object) -> float | None:
+    """What one FSDP2 parameter group's reduction divides by: the factor set on it with
+    ``set_gradient_divide_factor``, else shards x replicas of its mesh (None: not readable)."""
+    factor = getattr(group, "gradient_divide_factor", None)
+    if factor is not None:
+        return float(factor)
+    info = getattr(group, "mesh_info", None)
+    shards = getattr(info, "shard_mesh_size", None)
+    if shards is None:
+        return None
+    return float(shards * getattr(info, "replicate_mesh_size", 1))
+
+
 def _fsdp2_divisor(model: nn.Module) -> float | None:
-    """The divisor of FSDP2's gradient reduction: the factor set with ``set_gradient_divide_factor``,
-    else shards x replicas of its mesh. FSDP2 has no public getter (torch 2.13): the setter writes
-    ``gradient_divide_factor`` on each parameter group, whose ``mesh_info`` holds the sizes."""
-    for sub in model.modules():
+    """The divisor of FSDP2's gradient reductions, read where each parameter group reduces.
+
+    FSDP2 has no public getter (torch 2.13): the setter writes ``gradient_divide_factor`` on the
+    parameter groups of the one module it is called on, *not* on the modules sharded inside it,
+    so ``model.set_gradient_divide_factor(1.0)`` on the root leaves the blocks averaging. One
+    scale F/N serves every parameter, so groups that divide by different factors are refused,
+    naming the modules (torchtitan sets the factor on every ``FSDPModule``)."""
+    divisors: dict[str, float | None] = {}
+    for name, sub in model.named_modules():
         get_state = getattr(sub, "_get_fsdp_state", None)
         groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
-        if not groups:
-            continue
-        group = groups[0]
-        factor = getattr(group, "gradient_divide_factor", None)
-        if factor is not None:
-            return float(factor)
-        info = getattr(group, "mesh_info", None)
-        shards = getattr(info, "shard_mesh_size", None)
-        if shards is None:
-            return None
-        return float(shards * getattr(info, "replicate_mesh_size", 1))
-    return None
+        for group in groups or ():
+            divisors[name or "<root>"] = _group_divisor(group)
+    found = set(divisors.values())
+    if len(found) > 1:
+        by_factor: dict[str, list[str]] = {}
+        for name, value in divisors.items():
+            by_factor.setdefault(str(value), []).append(name)
+        shown = "; ".join(f"{', '.join(names)}: divides by {f}" for f, names in by_factor.items())
+        raise ConfigError(
+            f"the FSDP2 modules' gradient reductions divide by different factors ({shown}), so no "
+            "one scale F/N makes every parameter's gradient the full batch's. "
+            "set_gradient_divide_factor is not recursive in torch 2.13: call it on every FSDPModule "
+            "(for m in model.modules(): if isinstance(m, FSDPModule): m.set_gradient_divide_factor(f)), "
+            "or on none."
+        )
+    return next(iter(found)) if found else None
 
 
 def averaging_factor(model: nn.Module, kind: SyncKind, data_size: int) -> float:

@@ -13,14 +13,16 @@ import torch
 import torch.nn as nn
 
 from gradaccum.distributed import dist
-from gradaccum.distributed.sync import SyncKind
-from gradaccum.errors import ConfigError
+from gradaccum.distributed.sync import SyncKind, sync_module
+from gradaccum.errors import ConfigError, WindowError
 from gradaccum.mesh.layout import DATA_ROLES, MeshLayout
 from gradaccum.step.config import AccumConfig, SyncPolicy
 
 __all__ = [
+    "check_ddp_group",
     "check_sync_policy",
     "layout_for_step",
+    "raise_length_mismatch",
     "raise_replica_mismatch",
     "replica_slots",
     "replicas_agree",
@@ -59,12 +61,41 @@ def layout_for_step(
             "micro-batches"
         )
     layout.check_model(model, mesh)
+    if not pipeline:  # a pipeline checks each stage's module itself
+        check_ddp_group(sync_module(model), mesh, layout, "the model's")
     if config.noise_scale:
         raise ConfigError(
             "noise_scale=True is not supported with mesh=: the estimate reads whole per-micro-batch "
             "gradients, which a mesh spreads over shards. Measure it on a data-parallel run."
         )
     return layout
+
+
+def check_ddp_group(module: nn.Module, mesh: Any, layout: MeshLayout, whose: str) -> None:
+    """Refuse a DistributedDataParallel that does not reduce over exactly this rank's data ranks.
+
+    F in F/N is the number of ranks DDP averages over, and N counts each token once. A DDP over
+    the default group on a mesh with TP (or pipeline) ranks also averages the ranks that hold the
+    same tokens: on ``dp_replicate=2 x tp=2`` every data rank's gradient enters the sum twice and
+    the update is exactly twice the full batch's. The ranks are compared, not the group objects.
+    """
+    from torch.distributed import get_process_group_ranks
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(module, DistributedDataParallel):
+        return
+    names = [layout.names[r] for r in DATA_ROLES if r in layout.names]
+    data = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]] if names else None
+    want = sorted(data.mesh.flatten().tolist()) if data is not None else [dist.rank()]
+    got = sorted(get_process_group_ranks(module.process_group))
+    if got != want:
+        raise ConfigError(
+            f"{whose} DistributedDataParallel reduces over ranks {got}, but this rank's data-parallel "
+            f"ranks on the mesh ({layout.describe()}) are {want}: it would also average the ranks "
+            "that hold the same tokens, a silent factor in the update. Build it with "
+            "process_group=mesh[<data dimension>].get_group() (a flattened submesh's group where "
+            "there are several data dimensions)."
+        )
 
 
 def check_sync_policy(config: AccumConfig, kind: SyncKind, layout: MeshLayout | None) -> SyncPolicy:
@@ -112,4 +143,21 @@ def raise_replica_mismatch(layout: MeshLayout, local_count: torch.Tensor, k: int
         "ranks that hold the same tokens (tensor-parallel ranks, pipeline stages) counted different "
         f"windows: {', '.join(differ)}. Give every TP rank and every stage of a pipeline the same "
         "micro-batches (the data loader must shard by the data dimensions only)."
+    )
+
+
+def raise_length_mismatch(k: int, group: Any) -> None:
+    """Name, on every rank, the pipeline ranks whose windows hold different numbers of micro-batches.
+
+    The plain step lets DDP ranks run uneven windows (the sync waits for the last backward); a
+    pipeline schedule cannot: its stages exchange activations micro-batch by micro-batch, and a
+    DDP stage reduces after its k-th backward, so the replicas would wait on each other forever.
+    Called where the count all-reduce showed the lengths differ (every rank sees that alike)."""
+    everyone = dist.all_gather_objects((dist.rank(), k), group, what="the windows' lengths")
+    lengths = ", ".join(f"rank {rank}: {micro}" for rank, micro in everyone)
+    raise WindowError(
+        f"the pipeline's data replicas hold windows of different lengths (micro-batches per rank: "
+        f"{lengths}): the schedule runs every replica's stages in step, micro-batch by micro-batch, "
+        "so uneven windows would hang. Give every data-parallel rank the same number of "
+        "micro-batches (uneven token counts are fine; pad with an all-padding micro-batch)."
     )

@@ -6,7 +6,11 @@ the denominator must be known before ``schedule.step``: every rank of the pipeli
 whole window, counts it, and the counts are summed over the mesh (the stages and TP ranks of one
 pipeline count the same tokens, and are counted once: see :mod:`gradaccum.mesh`). The schedule's
 loss is then the user's *summed* loss times the exact factor F/N, so micro-batches with uneven
-tokens and a short final window are exact, whatever the schedule.
+tokens and a short final window are exact, whatever the schedule, within the lengths the schedule
+runs: torch 2.13's 1F1B needs k >= the number of stages, Interleaved1F1B k a multiple of its
+max(1, k // pp) rounds; other lengths are refused on every rank before the gradients are touched
+(every data replica must hold the same k: the stages exchange activations micro-batch by
+micro-batch, and the count all-reduce compares the lengths).
 
 PyTorch's schedules divide the gradients by ``n_microbatches`` by default (``scale_grads=True``,
 right for a loss that averages per micro-batch); the factor here already normalizes, so the
@@ -24,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from gradaccum.errors import ConfigError
-from gradaccum.mesh.layout import DATA_ROLES
+from gradaccum.mesh.layout import MeshLayout
+from gradaccum.mesh.step import check_ddp_group
 from gradaccum.moe.runner import refuse_balance
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
@@ -118,8 +123,7 @@ class PipelineAccumulator(EngineFace):
         )
         layout = self._engine.layout
         assert layout is not None
-        data_names = [layout.names[r] for r in DATA_ROLES if r in layout.names]
-        _check_ddp([s.submod for s in stages], self._schedule_name, mesh, data_names)
+        _check_ddp([s.submod for s in stages], self._schedule_name, mesh, layout)
         stage_count = stages[0].num_stages
         if stage_count != layout.pp * len(stages):
             raise ConfigError(
@@ -166,7 +170,17 @@ class PipelineAccumulator(EngineFace):
         if k not in self._schedules:
             cls = _schedule_class(self._schedule_name)
             stage: Any = self._stages if self._schedule_name == "Interleaved1F1B" else self._stages[0]
-            self._schedules[k] = cls(stage, n_microbatches=k, loss_fn=self._scaled_loss, scale_grads=False)
+            rule = _short_window_rule(self._schedule_name, k, self._stages)
+            if rule is not None:
+                raise ConfigError(rule)
+            try:
+                built = cls(stage, n_microbatches=k, loss_fn=self._scaled_loss, scale_grads=False)
+            except ValueError as exc:  # a rule of a later torch: still refused before anything runs
+                raise ConfigError(
+                    f"torch's {cls.__name__} cannot run a window of {k} micro-batches ({exc}); "
+                    "give the windows a length it accepts"
+                ) from exc
+            self._schedules[k] = built
         return self._schedules[k]
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -182,12 +196,14 @@ class PipelineAccumulator(EngineFace):
         engine = self._engine
         micro_batches, failure = engine.open(window)
         counted = engine.count(micro_batches, lambda mb: count_fn(_target(mb)), failure)
-        engine.zero_grad()
         k = len(micro_batches)
         if counted.global_host == 0:
             return engine.skip(0, 0, k, None, "the window holds zero valid units on every rank")
-        inputs, targets = _stack(micro_batches)
+        # every rank holds k micro-batches now (the count refused unequal lengths), so every rank
+        # refuses a length the schedule cannot run alike, before the gradients are touched
         schedule = self._schedule(k)
+        engine.zero_grad()
+        inputs, targets = _stack(micro_batches)
         # each micro-batch adds sum_t l_t * F / N; the reductions divide by F: the full-batch mean
         self._scale = counted.scale()
         self._losses: list[torch.Tensor] = []
@@ -212,7 +228,7 @@ _DDP_SCHEDULES = ("1F1B", "Interleaved1F1B", "Schedule1F1B", "ScheduleInterleave
 """The schedules in which DDP stage modules were measured exact (float64, several windows)."""
 
 
-def _check_ddp(submods: list[nn.Module], schedule: str, mesh: Any, data_names: Sequence[str]) -> None:
+def _check_ddp(submods: list[nn.Module], schedule: str, mesh: Any, layout: MeshLayout) -> None:
     """DDP stage modules: only in the schedules where they were measured exact, and only reducing
     over this rank's data-parallel ranks (the ``F`` of F/N is their number).
 
@@ -224,7 +240,6 @@ def _check_ddp(submods: list[nn.Module], schedule: str, mesh: Any, data_names: S
     before anything runs. A DDP whose group is not the data ranks would average over other
     stages' or TP ranks' gradients.
     """
-    from torch.distributed import get_process_group_ranks
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = [m for m in submods if isinstance(m, DistributedDataParallel)]
@@ -237,17 +252,33 @@ def _check_ddp(submods: list[nn.Module], schedule: str, mesh: Any, data_names: S
             "window with an internal assert). Use schedule='1F1B' or 'Interleaved1F1B' with DDP, "
             "or shard the stage modules with FSDP2 (fully_shard over the data dimensions)."
         )
-    data = mesh[tuple(data_names)] if len(data_names) > 1 else mesh[data_names[0]] if data_names else None
-    want = sorted(data.mesh.flatten().tolist()) if data is not None else []
     for module in ddp:
-        got = sorted(get_process_group_ranks(module.process_group))
-        if got != want:
-            raise ConfigError(
-                f"a pipeline stage's DistributedDataParallel reduces over ranks {got}, but this rank's "
-                f"data-parallel ranks on the mesh are {want}: build it with "
-                "process_group=mesh[<data dimension>].get_group(), so that it averages the same stage "
-                "over the ranks that hold other tokens."
+        check_ddp_group(module, mesh, layout, "a pipeline stage's")
+
+
+def _short_window_rule(name: str, k: int, stages: Sequence[Any]) -> str | None:
+    """Why torch 2.13's schedule ``name`` cannot run ``k`` micro-batches over these stages (None:
+    it can). Its own check raises inside the schedule's constructor, after the count."""
+    total = int(stages[0].num_stages)
+    if name == "1F1B" and k < total:
+        return (
+            f"schedule '1F1B' runs at least as many micro-batches as pipeline stages, and this "
+            f"window holds {k} for {total} stages (torch 2.13's rule: n_microbatches >= num_stages). "
+            f"Give every window at least {total} micro-batches, or use schedule='GPipe' (stage "
+            "modules under FSDP2), which runs any length."
+        )
+    if name == "Interleaved1F1B":
+        pp = int(stages[0].group_size)
+        rounds = max(1, k // pp)
+        if k % rounds:
+            fits = sorted({n for n in range(max(1, k - pp), k + pp + 1) if n % max(1, n // pp) == 0})
+            return (
+                f"schedule 'Interleaved1F1B' runs the window in rounds of micro-batches: with pp={pp} "
+                f"ranks a window of k micro-batches has max(1, k // {pp}) rounds and k must be a "
+                f"multiple of them (torch 2.13's rule). This window holds k={k}: {rounds} rounds, "
+                f"{k} % {rounds} = {k % rounds}. Lengths near it that run: {fits}."
             )
+    return None
 
 
 def _target(micro_batch: Any) -> Any:

@@ -60,6 +60,7 @@ from gradaccum.mesh.reduction import averaging_factor
 from gradaccum.mesh.step import (
     check_sync_policy,
     layout_for_step,
+    raise_length_mismatch,
     raise_replica_mismatch,
     replica_slots,
     replicas_agree,
@@ -166,6 +167,7 @@ class WindowEngine:
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._distributed = dist.is_distributed(dp_group)
+        self._pipeline = pipeline
         self.layout = layout_for_step(
             mesh, mesh_dims, model=model, config=config, dp_group=dp_group, pipeline=pipeline
         )
@@ -382,6 +384,8 @@ class WindowEngine:
             self.zero_grad()
             raise_unreached(missed, index, self.dp_group)
         check_buffer_broadcasts(int(totals.broadcasting_ranks), world)
+        if self._pipeline and world * totals.micro_batches_squared != totals.micro_batches**2:
+            raise_length_mismatch(k, self.dp_group)  # a schedule cannot run uneven windows: it would hang
         check_window_shapes(
             world,
             k,
