@@ -30,13 +30,11 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _outcome(build_and_step: Any, model: torch.nn.Module) -> dict[str, Any]:
-    """The parameters after the step, or the gradaccum error and whether the parameters moved."""
-    import gradaccum
-
+    """The parameters after the step, or the error raised and whether the parameters moved."""
     before = models.params(model)
     try:
         build_and_step()
-    except gradaccum.GradAccumError as exc:
+    except Exception as exc:  # a gradaccum error is the refusal; any other fails the test that reads it
         after = models.params(model)
         moved = any(not torch.equal(before[k], after[k]) for k in before)
         return {"refused": f"{type(exc).__name__}: {exc}", "moved": moved}

@@ -11,6 +11,7 @@ carries N, the loss, the failures, the window shapes and the fingerprint.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -34,7 +35,35 @@ from gradaccum.step.stream import (
 )
 from gradaccum.step.window import Accumulated, Contribution, CountFn, StreamContribute, WindowCount
 
-__all__ = ["PostScalingEngine"]
+__all__ = ["PostBasis", "PostScalingEngine"]
+
+
+class PostBasis:
+    """What chooses the next window's c: the last window's N/F (None before the first window).
+
+    A window carries it to the next, so it is the ``"post"`` part of the accumulator's
+    ``state_dict``: a resumed run chooses the c an uninterrupted one does (with c = 1 again, a
+    float16 backward under a GradScaler overflows where the uninterrupted run did not, and the
+    run skips an update and backs the scaler off once more)."""
+
+    def __init__(self) -> None:
+        self.expected: torch.Tensor | float | None = None
+
+    def state_dict(self) -> dict[str, float | None]:
+        """N/F as a Python float (exact: a float64 count below 2**53 over F); one host read where
+        the decision on the device kept it there."""
+        expected = self.expected
+        return {"expected": None if expected is None else float(expected)}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore :meth:`state_dict`, refusing a state post-scaling could not have written."""
+        value = state.get("expected", ...) if isinstance(state, dict) and set(state) == {"expected"} else ...
+        if value is not None and not (isinstance(value, float) and math.isfinite(value) and value >= 0):
+            raise ConfigError(
+                "a post-scaling state holds exactly {'expected': the last window's N/F, a finite "
+                f"float >= 0, or None before the first window}}, got {state!r}"
+            )
+        self.expected = value
 
 
 class PostScalingEngine(WindowEngine):
@@ -48,7 +77,8 @@ class PostScalingEngine(WindowEngine):
         self._on_device = self._decides_on_device()
         self._device_counters: torch.Tensor | None = None
         self._counter_steps = _counter_steps(self.device) if self._on_device else None
-        self._expected: torch.Tensor | float | None = None  # the last window's N / F
+        self._basis = PostBasis()  # the last window's N / F, which chooses c: saved in state_dict()
+        self.parts["post"] = self._basis
 
     def _check_post(self) -> None:
         """Refuse what post-scaling cannot do, before the first window."""
@@ -154,7 +184,7 @@ class PostScalingEngine(WindowEngine):
                     self.emit("micro_end", i)
                     assert reduced is not None
                     assert counted.global_host is not None  # read in the meeting
-                    self._expected = counted.global_host / self.factor
+                    self._basis.expected = counted.global_host / self.factor
                     tallied = torch.tensor(reduced, dtype=torch.float64, device=self.device)
                     return counted, Accumulated(tallied[0], tallied[1], True, k)
                 if distributed and syncs:  # the resynchronizing first micro-batch of a longer window
@@ -183,9 +213,9 @@ class PostScalingEngine(WindowEngine):
         n_host = sum(int(n) for n in counts) if on_host else None  # ints: no read
         counted = WindowCount(counts, local, local, n_host, smallest, 1, self.factor, c)
         if n_host is not None:
-            self._expected = n_host / self.factor
+            self._basis.expected = n_host / self.factor
         else:  # replaced by the host N where the verdict is read; a division only where it is not
-            self._expected = local if self.factor == 1 else local / self.factor
+            self._basis.expected = local if self.factor == 1 else local / self.factor
         loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self._zero
         return counted, Accumulated(loss, self._zero, False, k)
 
@@ -197,7 +227,7 @@ class PostScalingEngine(WindowEngine):
         window under torch.distributed takes c = 1), so the window costs no device op for c nor
         for its part of W/(N c); else 0-dim float64 on the device (the decision on the device
         keeps N there)."""
-        expected = self._expected
+        expected = self._basis.expected
         if isinstance(expected, float):
             return host_post_constant(expected)
         if expected is None and distributed:
@@ -346,7 +376,7 @@ class PostScalingEngine(WindowEngine):
         if self._on_device and objective is None and rejection is None:
             return self._conclude_on_device(counted, accumulated, params, grads)
         result = super()._decide(counted, accumulated, params, grads, objective, rejection)
-        self._expected = result.global_count / self.factor  # read with the verdict: c is a host float next
+        self._basis.expected = result.global_count / self.factor  # read with the verdict: c is a host float next
         return result
 
     # -- counters decided on the device ---------------------------------------------------------
