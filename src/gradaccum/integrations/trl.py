@@ -5,7 +5,7 @@ micro-batches on W ranks, with the generation batch spread over M = steps_per_ge
 updates (per-token losses l_t, rows B_j, response tokens n_j):
 
 * ``grpo``/``sapo``: (1/B_j) sum_s mean_s / k: exact only when every micro-batch on every rank
-  holds as many sequences, each with a response token;
+  holds as many rows;
 * ``bnpo``: sum l_t / n_j / k, a mean of per-micro-batch token means (by its own definition);
 * ``dr_grpo``: sum l_t / (B_j L) / k; ``luspo``: sum_s sum_t l_t / B_j / k (same caveat as grpo);
 * ``dapo``/``cispo``/``vespo``: sum l_t / (N_gen / W x k / steps_per_generation): every update is
@@ -16,6 +16,9 @@ aggregation (:mod:`gradaccum.rl.aggregation`) has the same weighted sum over ano
 so the exact loss is TRL's times a scalar: ``ExactGRPOTrainer`` counts the update's units (tokens
 or sequences with a response token) over its micro-batches on all ranks before its first backward
 (the generation batch is already generated and split, so every micro-batch of the update is known),
+counted as TRL counts them: its sequence means divide by every row, a row whose completion is
+masked out entirely (``mask_truncated_completions``, a tool mask) included (``empty_rows="counted"``
+of :class:`gradaccum.rl.PolicyLoss`), so the update is TRL's own objective over the update's rows;
 and multiplies TRL's loss by (TRL's denominator) x W / (the update's count). The aggregation is
 picked from the ``loss_type``: token-mean for bnpo, dapo, cispo, vespo; seq-mean-token-mean for grpo,
 sapo; seq-mean-token-sum-norm for dr_grpo (L = max_completion_length); seq-mean-token-sum for luspo.
@@ -46,11 +49,12 @@ from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError
 from gradaccum.integrations import transformers as hf
 from gradaccum.integrations.transformers import ExactConfig, ExactTrainer
-from gradaccum.rl.aggregation import unit_count, unit_name
+from gradaccum.rl.aggregation import EmptyRows, unit_count, unit_name
 from gradaccum.rl.rollout import ROLLOUT_NORMALIZATIONS, RolloutNormalization
 
 __all__ = [
     "EXACT_AGGREGATIONS",
+    "TRL_EMPTY_ROWS",
     "ExactDPOTrainer",
     "ExactGRPOConfig",
     "ExactGRPOTrainer",
@@ -72,6 +76,8 @@ EXACT_AGGREGATIONS: dict[str, str] = {
 """The exact aggregation ``ExactGRPOTrainer`` trains for each TRL ``loss_type``."""
 
 _PER_ROW = ("grpo", "sapo", "dr_grpo", "luspo")  # TRL divides by the micro-batch's rows
+TRL_EMPTY_ROWS: EmptyRows = "counted"
+"""TRL 1.16's convention for a row without a completion token: its sequence means count it."""
 _TRL_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
 _TRL_OPTIONAL = ("old_per_token_logps", "ref_per_token_logps", "tool_mask")
 
@@ -159,7 +165,7 @@ class ExactGRPOTrainer(GRPOTrainer):
             raise ConfigError(f"{type(self).__name__}: no generation batch is buffered for this update")
         position = int(self._step) % self._generation_steps
         start = position - position % k
-        counts = [unit_count(_loss_mask(s), self.exact_aggregation).to(device) for s in slices]
+        counts = [unit_count(_loss_mask(s), self.exact_aggregation, TRL_EMPTY_ROWS).to(device) for s in slices]
         local = torch.stack([torch.stack(counts[start : start + k]).sum(), torch.stack(counts).sum()])
         total = dist.all_reduce_sum_(local.to(torch.float64), what="the update's unit counts")
         if self.exact.normalize == "generation":
@@ -205,7 +211,7 @@ class ExactGRPOTrainer(GRPOTrainer):
             return GRPOTrainer._compute_loss(self, model, inputs) * self._trl_denominator(inputs, 1)
 
         def count_fn(micro_batch: Any) -> torch.Tensor:
-            return unit_count(_loss_mask(micro_batch), self.exact_aggregation)
+            return unit_count(_loss_mask(micro_batch), self.exact_aggregation, TRL_EMPTY_ROWS)
 
         def trainer_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[Any]) -> None:
             self._buffered_inputs = list(micro)  # type: ignore[assignment]

@@ -20,15 +20,19 @@ _EXPORTS: dict[str, str] = {
     "rollout_updates": "gradaccum.rl.rollout",
     "AGGREGATIONS": "gradaccum.rl.aggregation",
     "Aggregation": "gradaccum.rl.aggregation",
+    "EMPTY_ROWS": "gradaccum.rl.aggregation",
+    "EmptyRows": "gradaccum.rl.aggregation",
     "PREFERENCE_OBJECTIVES": "gradaccum.rl.preference",
     "ROLLOUT_NORMALIZATIONS": "gradaccum.rl.rollout",
 }
 
 __all__ = [
     "AGGREGATIONS",
+    "EMPTY_ROWS",
     "PREFERENCE_OBJECTIVES",
     "ROLLOUT_NORMALIZATIONS",
     "Aggregation",
+    "EmptyRows",
     "PolicyLoss",
     "PreferenceLoss",
     "RolloutUpdate",
@@ -36,7 +40,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from gradaccum.rl.aggregation import AGGREGATIONS, Aggregation
+    from gradaccum.rl.aggregation import AGGREGATIONS, EMPTY_ROWS, Aggregation, EmptyRows
     from gradaccum.rl.policy import PolicyLoss
     from gradaccum.rl.preference import PREFERENCE_OBJECTIVES, PreferenceLoss
     from gradaccum.rl.rollout import ROLLOUT_NORMALIZATIONS, RolloutUpdate, rollout_updates

@@ -32,7 +32,8 @@ class PolicyInputs(NamedTuple):
     old_logprobs: torch.Tensor
     """``(rows, seq - 1)``, zero outside the mask."""
     advantages: torch.Tensor
-    """``(rows, 1)`` (one per row) or ``(rows, seq - 1)``, zero outside the mask."""
+    """``(rows, 1)`` (one per row) or ``(rows, seq - 1)``, zero outside the mask (a row's one
+    advantage is zero where the row has no response token)."""
     ref_logprobs: torch.Tensor | None
     """``(rows, seq - 1)``, zero outside the mask; None when absent."""
     first_masked: torch.Tensor
@@ -87,8 +88,10 @@ def policy_inputs(micro_batch: Any, *, need_ref: bool) -> PolicyInputs:
         ref = _per_token(micro_batch, "ref_logprobs", shape, floating=True)[:, 1:]
     zero = torch.zeros((), dtype=old.dtype, device=old.device)
     old = torch.where(mask, old, zero)
-    if adv.shape[1] > 1:
-        adv = torch.where(mask, adv, zero.to(adv.dtype))
+    # an advantage where no token is trained is never read: zeroed alike per token and per row (a
+    # NaN there would otherwise reach every token of its row through 0 * NaN, and skip the window)
+    trained = mask if adv.shape[1] > 1 else mask.any(dim=1, keepdim=True)
+    adv = torch.where(trained, adv, zero.to(adv.dtype))
     if ref is not None:
         ref = torch.where(mask, ref, zero.to(ref.dtype))
     return PolicyInputs(mask, old, adv, ref, raw_mask[:, 0] != 0)

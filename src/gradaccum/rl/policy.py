@@ -20,7 +20,15 @@ import torch.nn as nn
 from gradaccum.errors import ConfigError, CountError
 from gradaccum.fielddocs import document_fields
 from gradaccum.loss import logits_of
-from gradaccum.rl.aggregation import AGGREGATIONS, Aggregation, token_weights, unit_count, unit_name
+from gradaccum.rl.aggregation import (
+    AGGREGATIONS,
+    EMPTY_ROWS,
+    Aggregation,
+    EmptyRows,
+    token_weights,
+    unit_count,
+    unit_name,
+)
 from gradaccum.rl.inputs import MODEL_KEYS, policy_inputs
 from gradaccum.rl.objective import per_token_loss, token_logprobs
 
@@ -51,12 +59,18 @@ class PolicyLoss:
     """Weight of the KL estimate against ``ref_logprobs`` (0: no KL term, no reference needed)."""
     max_response_len: int | None = None
     """Dr. GRPO's constant normalizer, for ``seq-mean-token-sum-norm`` only (and required there)."""
+    empty_rows: EmptyRows = "excluded"
+    """Whether a row with no response token counts as a sequence in the sequence aggregations:
+    ``excluded`` (S = rows with a response token) or ``counted`` (S = every row, as TRL 1.16's
+    grpo/dr_grpo divide); see :mod:`gradaccum.rl.aggregation`."""
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(
                 f"PolicyLoss aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}"
             )
+        if self.empty_rows not in EMPTY_ROWS:
+            raise ConfigError(f"PolicyLoss empty_rows must be one of {list(EMPTY_ROWS)}, got {self.empty_rows!r}")
         for name in ("clip_eps", "kl_coef"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -92,7 +106,7 @@ class PolicyLoss:
         return unit_name(self.aggregation)
 
     def count_fn(self, micro_batch: Any) -> torch.Tensor:
-        """The micro-batch's units (0-dim int64): response tokens, or sequences with a response token.
+        """The micro-batch's units (0-dim int64): response tokens, or sequences (``empty_rows``).
 
         Reads the device once, to refuse a response mask on position 0 (no logits predict it) and,
         under ``seq-mean-token-sum-norm``, a response longer than ``max_response_len``.
@@ -116,7 +130,7 @@ class PolicyLoss:
                 f"{self.max_response_len}: Dr. GRPO's normalizer must bound every response. Pass the "
                 "generation limit as max_response_len."
             )
-        return unit_count(inputs.mask, self.aggregation)
+        return unit_count(inputs.mask, self.aggregation, self.empty_rows)
 
     def positions(self, micro_batch: Any) -> torch.Tensor:
         """The target positions ``loss_fn`` puts a gradient on (0-dim int64), for the denominator
