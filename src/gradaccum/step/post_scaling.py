@@ -125,7 +125,9 @@ class PostScalingEngine(WindowEngine):
             self._agree_on_length(length)
         counts: list[int | torch.Tensor] = []  # 0-dim tensors or ints: a few bytes per micro-batch
         losses: list[torch.Tensor] = []
-        c: torch.Tensor | float | None = None
+        # a list window on one process: its own N is known before the first backward, so c follows it
+        counted_ahead = self._count_ahead(window, count_fn, length) if not distributed else None
+        c = None if counted_ahead is None else self._constant_of(counted_ahead)
         failure: LocalFailure | None = None
         k = 0
         resync = self.meetings.resync
@@ -158,7 +160,7 @@ class PostScalingEngine(WindowEngine):
             with nothing_to_defer if syncs or plain else sync_deferred(model, kind):
                 phase = "count_fn"
                 try:
-                    count = as_count(count_fn(mb), i)
+                    count = as_count(count_fn(mb), i) if counted_ahead is None else counted_ahead[i]
                     counts.append(count)
                     if c is None:
                         c = self._constant(count, length, distributed)
@@ -218,6 +220,25 @@ class PostScalingEngine(WindowEngine):
             self._basis.expected = local if self.factor == 1 else local / self.factor
         loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self._zero
         return counted, Accumulated(loss, self._zero, False, k)
+
+    def _count_ahead(
+        self, window: Iterable[Any], count_fn: CountFn, length: int | None
+    ) -> list[int | torch.Tensor] | None:
+        """Every micro-batch's count of a non-empty list window, before its first forward: c can
+        then follow this window's N rather than the last one's, which differs as much as the data
+        does (N from 1 to 2**20 between windows: c from the previous N would overflow fp16 where
+        pre-scaling does not). None for an iterator (counted as it streams)."""
+        if type(window) is not list or not window:
+            return None
+        return [as_count(count_fn(mb), i) for i, mb in enumerate(window[:length])]
+
+    def _constant_of(self, counts: list[int | torch.Tensor]) -> torch.Tensor | float:
+        """c for a window whose counts are all known: a Python float from int counts, else on the
+        device (no host read)."""
+        if all(isinstance(n, int) for n in counts):
+            return host_post_constant(sum(int(n) for n in counts) / self.factor)
+        local, _ = sum_counts(counts, self.device)
+        return post_constant(0, None, self.device, expected=local / self.factor)
 
     def _constant(
         self, first: int | torch.Tensor, length: int | None, distributed: bool

@@ -12,7 +12,8 @@ the window's length is declared (``len(window)``, or ``step(..., length=k)``).
 activations would overflow (and a GradScaler back off) more often than under pre-scaling, whose
 backward sees F/N times them. c = 2**-round(log2(N'/F)), with N' the previous window's N (agreed
 by every rank), makes the backward see what pre-scaling's sees within a
-factor of sqrt(2) while windows count alike; and a power of two multiplies every float exactly, so
+factor of sqrt(2) while windows count alike (a list window on one process is counted before its
+first backward, and N' is its own N); and a power of two multiplies every float exactly, so
 c and 1/c cost no rounding: the only rounding post-scaling adds is the one multiplication by
 F/(N c). c must be the same on every rank (the gradient reduction sums c * g over ranks, which no
 later factor could undo per rank), so a rank's own counts cannot choose it. Before the first window

@@ -204,9 +204,9 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         resumed_from, checkpoint_schedule = Path(meta["path"]), meta.get("schedule")
         skipped = tuple(meta["skipped"])
     batch = _batch_schedule(config, None if point is None else meta.get("batch_schedule"), resumed_from)
-    tokens_per_step = stream.window(0).global_count
+    tokens_per_step, grows = stream.window(0).global_count, batch is not None
     schedule = resolve_schedule(
-        config.schedule, steps=config.steps, tokens=config.tokens, tokens_per_step=tokens_per_step
+        config.schedule, steps=config.steps, tokens=config.tokens, tokens_per_step=tokens_per_step, grows=grows
     )
     return _Session(
         model=model,

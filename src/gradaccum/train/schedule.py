@@ -126,29 +126,43 @@ class Schedule:
 
 
 def resolve_schedule(
-    config: ScheduleConfig, *, steps: int | None, tokens: int | None, tokens_per_step: int
+    config: ScheduleConfig,
+    *,
+    steps: int | None,
+    tokens: int | None,
+    tokens_per_step: int,
+    grows: bool = False,
 ) -> Schedule:
     """Fill in a horizon and warmup from the run's length.
 
     The horizon defaults to the run's length in the schedule's clock. When the run is stated in
     the other unit, it is converted with ``tokens_per_step`` (valid tokens in the first window's
-    global batch: an estimate, recorded in the run card beside the schedule).
+    global batch: an estimate, recorded in the run card beside the schedule). ``grows``: a
+    batch-size schedule may change the tokens per step during the run, so no conversion holds
+    (``--steps`` with the tokens clock reached the floor early, ``--tokens`` with the steps clock
+    never); the schedule then advances on the clock the run's length is stated in, so the cosine
+    ends where the run does, and a warmup given on the other clock is converted once.
     """
-    horizon = config.horizon
+    clock: Clock = config.clock
+    warmup, horizon = config.warmup, config.horizon
+    per_step = max(tokens_per_step, 1)
+    stated = steps if clock == "steps" else tokens
+    if grows and horizon is None and stated is None:
+        clock = "tokens" if clock == "steps" else "steps"
+        if warmup is not None:
+            warmup = warmup * per_step if clock == "tokens" else math.ceil(warmup / per_step)
     if horizon is None:
-        per_step = max(tokens_per_step, 1)
-        if config.clock == "steps":
+        if clock == "steps":
             horizon = steps if steps is not None else math.ceil((tokens or 0) / per_step)
         else:
             horizon = tokens if tokens is not None else (steps or 0) * per_step
-    warmup = config.warmup
     if warmup is None:
         warmup = round(DEFAULT_WARMUP_FRACTION * horizon)
     if config.kind == "constant":
         horizon = max(horizon, warmup)
     return Schedule(
         kind=config.kind,
-        clock=config.clock,
+        clock=clock,
         warmup=warmup,
         horizon=horizon,
         min_lr_ratio=float(config.min_lr_ratio),
