@@ -39,8 +39,10 @@ class Probe(nn.Module):
 
 def _windows() -> list[list[dict[str, torch.Tensor]]]:
     gen = torch.Generator().manual_seed(1)
+
     def mb(units: int) -> dict[str, torch.Tensor]:
         return {"x": torch.randn(2, 4, generator=gen, dtype=torch.float64), "units": torch.tensor(units)}
+
     return [[mb(1), mb(1)], [mb(BIG), mb(BIG)], [mb(1), mb(1)]]
 
 

@@ -82,8 +82,7 @@ def _ddp_on_a_tp_mesh(group: str) -> dict[str, Any]:
         acc = gradaccum.Accumulator(model, _sgd(model), mesh=mesh)
         acc.step(gradaccum.split(local, sizes=SIZES[d]), models.loss_fn, models.count_fn)
 
-    out = _outcome(run, model.module)
-    return out
+    return _outcome(run, model.module)
 
 
 def _pipeline(schedule: str, lengths: tuple[int, int], wrap: str = "ddp") -> dict[str, Any]:
@@ -93,7 +92,6 @@ def _pipeline(schedule: str, lengths: tuple[int, int], wrap: str = "ddp") -> dic
     from torch.distributed.pipelining import PipelineStage
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradaccum
     from gradaccum.pipeline import PipelineAccumulator
 
     data_dim = "dp_shard" if wrap == "fsdp2" else "dp_replicate"

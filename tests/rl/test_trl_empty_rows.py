@@ -57,7 +57,7 @@ def _trl_full_batch_grads(trainer: Any, updates: Any, update: int) -> dict[str, 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("grpo-empty")
-    return {loss_type: trl_common.grpo(_OneEmptyCompletion, out, loss_type) for loss_type in ("dr_grpo", "grpo")}
+    return {loss: trl_common.grpo(_OneEmptyCompletion, out, loss) for loss in ("dr_grpo", "grpo")}
 
 
 @pytest.mark.parametrize("loss_type", ["dr_grpo", "grpo"])

@@ -12,6 +12,7 @@ schedule's factor is read back exactly (float64, relative 1e-12 for the two roun
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def test_the_cosine_ends_with_the_run_across_a_batch_change(
     assert changes, "the batch never grew: the test needs a change"
     assert factors[-1] == pytest.approx(FLOOR, rel=1e-12)  # at the floor at the end of the run
     assert all(f > FLOOR * (1 + 1e-9) for f in factors[:-1])  # and not before
-    assert all(a >= b for a, b in zip(factors, factors[1:], strict=False))  # decaying throughout
+    assert all(a >= b for a, b in itertools.pairwise(factors))  # decaying throughout
 
 
 def test_without_a_batch_schedule_the_conversion_stays() -> None:

@@ -165,7 +165,8 @@ class ExactGRPOTrainer(GRPOTrainer):
             raise ConfigError(f"{type(self).__name__}: no generation batch is buffered for this update")
         position = int(self._step) % self._generation_steps
         start = position - position % k
-        counts = [unit_count(_loss_mask(s), self.exact_aggregation, TRL_EMPTY_ROWS).to(device) for s in slices]
+        aggregation = self.exact_aggregation
+        counts = [unit_count(_loss_mask(s), aggregation, TRL_EMPTY_ROWS).to(device) for s in slices]
         local = torch.stack([torch.stack(counts[start : start + k]).sum(), torch.stack(counts).sum()])
         total = dist.all_reduce_sum_(local.to(torch.float64), what="the update's unit counts")
         if self.exact.normalize == "generation":

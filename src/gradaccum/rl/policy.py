@@ -70,7 +70,9 @@ class PolicyLoss:
                 f"PolicyLoss aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}"
             )
         if self.empty_rows not in EMPTY_ROWS:
-            raise ConfigError(f"PolicyLoss empty_rows must be one of {list(EMPTY_ROWS)}, got {self.empty_rows!r}")
+            raise ConfigError(
+                f"PolicyLoss empty_rows must be one of {list(EMPTY_ROWS)}, got {self.empty_rows!r}"
+            )
         for name in ("clip_eps", "kl_coef"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

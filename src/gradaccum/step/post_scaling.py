@@ -397,7 +397,8 @@ class PostScalingEngine(WindowEngine):
         if self._on_device and objective is None and rejection is None:
             return self._conclude_on_device(counted, accumulated, params, grads)
         result = super()._decide(counted, accumulated, params, grads, objective, rejection)
-        self._basis.expected = result.global_count / self.factor  # read with the verdict: c is a host float next
+        # read with the verdict: the next c is a host float
+        self._basis.expected = result.global_count / self.factor
         return result
 
     # -- counters decided on the device ---------------------------------------------------------

@@ -204,9 +204,9 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         resumed_from, checkpoint_schedule = Path(meta["path"]), meta.get("schedule")
         skipped = tuple(meta["skipped"])
     batch = _batch_schedule(config, None if point is None else meta.get("batch_schedule"), resumed_from)
-    tokens_per_step, grows = stream.window(0).global_count, batch is not None
+    per_step, grows = stream.window(0).global_count, batch is not None
     schedule = resolve_schedule(
-        config.schedule, steps=config.steps, tokens=config.tokens, tokens_per_step=tokens_per_step, grows=grows
+        config.schedule, steps=config.steps, tokens=config.tokens, tokens_per_step=per_step, grows=grows
     )
     return _Session(
         model=model,
@@ -222,7 +222,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         resumed_from=resumed_from,
         skipped_checkpoints=skipped,
         checkpoint_schedule=checkpoint_schedule if checkpoint_schedule != schedule.to_dict() else None,
-        tokens_per_step=tokens_per_step,
+        tokens_per_step=per_step,
         eval_batches=stream.eval_batches(config.eval_examples) if config.eval_every else [],
         batch=batch,
     )
