@@ -40,6 +40,8 @@ WRONG: list[tuple[str, Any, str]] = [
     ("sync_policy", None, "sync_policy must be one of"),
     ("scaling", "late", "scaling must be 'pre' .* or 'post' .*, got 'late'"),
     ("scaling", None, "scaling must be 'pre'"),
+    ("batchnorm_stats", "batch", r"batchnorm_stats must be one of \['micro-batch', 'window'\]"),
+    ("batchnorm_stats", None, "batchnorm_stats must be one of"),
 ]
 
 

@@ -121,6 +121,12 @@ class CachedAccumulator(EngineFace):
                 "needs every representation (and so every micro-batch) before the first backward; "
                 "there is no summed per-micro-batch loss to scale afterwards. Leave scaling at 'pre'."
             )
+        if config.batchnorm_stats != "micro-batch":
+            raise CacheError(
+                f"batchnorm_stats={config.batchnorm_stats!r} is not supported by CachedAccumulator: "
+                "each micro-batch runs through BatchNorm twice (the representations, then the replay), "
+                "so its rows would count twice. Leave batchnorm_stats at 'micro-batch'."
+            )
         if config.loss_reduction != "sum":
             raise CacheError(
                 f"loss_reduction={config.loss_reduction!r} has no meaning for CachedAccumulator: "

@@ -6,7 +6,9 @@ looks for the layers that break that by type and by attribute names:
 
 - BatchNorm (any flavour, SyncBatchNorm included) normalizing with batch statistics: each
   micro-batch is normalized with its own statistics, and running estimates update k times per
-  optimizer step, so the effective momentum per step is ``1 - (1 - m)^k``.
+  optimizer step, so the effective momentum per step is ``1 - (1 - m)^k``. The fix names
+  ``batchnorm_stats="window"`` for the running estimates (once per step, over the window's rows);
+  the normalization inside each forward stays per micro-batch.
 - InstanceNorm with running statistics: gradients are exact (statistics are per example), but the
   running estimates still update k times per step.
 - Random layers (dropout of every kind, MultiheadAttention's attention dropout, float attributes
@@ -175,6 +177,16 @@ def _batch_shape(accum_steps: int, micro_batch: int | None) -> tuple[str, str]:
     return f"{micro_batch} examples", f"{micro_batch * accum_steps}"
 
 
+_WINDOW_STATS = (
+    " For its running statistics, Accumulator(..., batchnorm_stats='window') updates them once per "
+    "optimizer step from the moments pooled over the window's micro-batches (and data-parallel "
+    "ranks), as one forward over the window's rows would; it does not change the normalization "
+    "inside each forward, which still uses the micro-batch's statistics, so the gradients stay "
+    "those of micro-batches"
+)
+"""What ``batchnorm_stats="window"`` fixes (the running estimates) and what it does not."""
+
+
 def _running_stats(module: nn.Module, k: int, figures: dict[str, float]) -> tuple[str, str]:
     """The explanation and fix of running estimates updated k times per optimizer step."""
     momentum = getattr(module, "momentum", None)
@@ -256,7 +268,7 @@ def _norm_finding(path: str, module: nn.Module, k: int, micro_batch: int | None)
             "accept it (micro-batches of 16+ examples usually normalize well, but the update is no "
             f"longer the full-batch one); {pooled}; or use GroupNorm/LayerNorm, which normalize each "
             "example on its own and are exact under accumulation."
-            + (f" If you keep it, {fix_momentum}." if fix_momentum else "")
+            + (_WINDOW_STATS + (f"; without it, {fix_momentum}." if fix_momentum else ".") if tracks else "")
         ),
         figures=figures,
     )

@@ -17,7 +17,17 @@ from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
 from gradaccum.values import require_int
 
-__all__ = ["SCALINGS", "SYNC_POLICIES", "AccumConfig", "LossReduction", "Scaling", "StepResult", "SyncPolicy"]
+__all__ = [
+    "BATCHNORM_STATS",
+    "SCALINGS",
+    "SYNC_POLICIES",
+    "AccumConfig",
+    "BatchNormStats",
+    "LossReduction",
+    "Scaling",
+    "StepResult",
+    "SyncPolicy",
+]
 
 LossReduction = Literal["sum", "mean"]
 _REDUCTIONS = ("sum", "mean")
@@ -25,6 +35,8 @@ SyncPolicy = Literal["defer", "defer_replicate", "every"]
 SYNC_POLICIES = ("defer", "defer_replicate", "every")
 Scaling = Literal["pre", "post"]
 SCALINGS = ("pre", "post")
+BatchNormStats = Literal["micro-batch", "window"]
+BATCHNORM_STATS = ("micro-batch", "window")
 
 
 def _bool(name: str, value: object) -> None:
@@ -84,6 +96,14 @@ class AccumConfig:
     accumulates on the device, and the gradients are multiplied once by W/(N c) after the last
     backward; under DDP one small all-reduce, before the synchronizing backward, carries the count.
     See :mod:`gradaccum.step.stream`."""
+    batchnorm_stats: BatchNormStats = "micro-batch"
+    """How BatchNorm layers update ``running_mean``, ``running_var`` and ``num_batches_tracked``.
+    ``micro-batch``: PyTorch's behaviour, once per forward (k times per optimizer step, an
+    effective momentum of ``1 - (1 - m)^k``). ``window``: once per applied optimizer step, from the
+    moments of every micro-batch's input pooled over the window (and the data-parallel ranks), as
+    one forward over the window's rows would; a skipped or abandoned window leaves them as they
+    were. Each forward still normalizes with its own micro-batch's statistics. See
+    :mod:`gradaccum.step.batchnorm`."""
 
     def __post_init__(self) -> None:
         norm = self.max_grad_norm
@@ -111,6 +131,12 @@ class AccumConfig:
             raise ConfigError(
                 f"AccumConfig.scaling must be 'pre' (count the window first) or 'post' (stream it, "
                 f"scale the gradients once after it), got {self.scaling!r}"
+            )
+        if self.batchnorm_stats not in BATCHNORM_STATS:
+            raise ConfigError(
+                f"AccumConfig.batchnorm_stats must be one of {list(BATCHNORM_STATS)} ('micro-batch': "
+                f"PyTorch's update per forward; 'window': once per optimizer step over the window's "
+                f"rows), got {self.batchnorm_stats!r}"
             )
         for name in ("defer_sync", "track_grad_norm", "skip_nonfinite", "agree_on_failure", "noise_scale"):
             _bool(name, getattr(self, name))

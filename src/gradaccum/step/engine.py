@@ -78,6 +78,7 @@ from gradaccum.step.agreement import (
     settings_fingerprint,
     unreached_parameters,
 )
+from gradaccum.step.batchnorm import window_batchnorm
 from gradaccum.step.checks import as_count, check_skips, check_window_shapes, sum_counts
 from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
@@ -229,6 +230,8 @@ class WindowEngine:
         )
         # DDP that broadcasts buffers in a window's first forward (the same on every rank)
         self._broadcasts = broadcasts_buffers(self._synced, self.kind)
+        self._batchnorm = window_batchnorm(self, pipeline=pipeline)  # batchnorm_stats (step/batchnorm.py)
+        self._windowed = [p for p in (self._noise, self._batchnorm) if p is not None]  # opened per window
 
     @property
     def noise_scale(self) -> NoiseScale:
@@ -401,11 +404,11 @@ class WindowEngine:
         if replicas > 1:  # exact: the R ranks at each data index agree, so the sum is R * N
             global_count = global_count / replicas
         n = int(totals.global_count) // replicas
-        reduced = settled.value("tally") if post is not None else None
+        reduced = self.meetings.split(settled.value("tally")) if post is not None else None  # type: ignore[arg-type]
         if self.balance is not None:  # ranks that hold the same tokens (TP) add the same routing
             self.balance.agree(settled.device("routing") / replicas)
         counted = WindowCount(counts, local_count, global_count, n, min_count, world, self.factor, post)
-        return counted, reduced  # type: ignore[return-value]
+        return counted, reduced
 
     def accumulate(
         self,
@@ -433,8 +436,8 @@ class WindowEngine:
         last = len(micro_batches) - 1
         resync = meetings.resync
         noise = self._noise
-        if noise is not None:
-            noise.start()
+        for part in self._windowed:  # the noise meter, BatchNorm's window moments
+            part.start()
         for i, mb in enumerate(micro_batches):
             self.emit("micro_start", i)
             syncs = i == last or not defer or (i == 0 and resync)
@@ -585,8 +588,8 @@ class WindowEngine:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        if self._noise is not None:  # every abandoned or skipped window passes here
-            self._noise.discard()
+        for part in self._windowed:  # every abandoned or skipped window passes here
+            part.discard()
         if self._params_outside_optimizer:  # e.g. frozen or separately optimized parameters
             for p in self._params_outside_optimizer:
                 p.grad = None

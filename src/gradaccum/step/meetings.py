@@ -22,6 +22,7 @@ from gradaccum.step.agreement import (
     raise_alone,
     raise_from_sync_backward,
 )
+from gradaccum.step.batchnorm import WindowBatchNorm
 from gradaccum.step.window import Backward, Contribution
 
 __all__ = ["Meetings"]
@@ -48,6 +49,8 @@ class Meetings:
         self.backward = backward
         self.zero_grad = zero_grad
         self.zero = zero
+        # batchnorm_stats="window": its moments ride in the meeting (set by step/batchnorm.py)
+        self.batchnorm: WindowBatchNorm | None = None
         # the wrapper's bookkeeping across windows, not a failure carried between phases
         self.resync = False
 
@@ -70,17 +73,27 @@ class Meetings:
         raise_alone(failure, recoverable=not distributed)
 
     def tally(self, losses: list[torch.Tensor], rejections: list[torch.Tensor]) -> torch.Tensor:
-        """The window's loss and vetoes so far, as the meeting carries them."""
+        """The window's loss and vetoes so far, as the meeting carries them; then, in a BatchNorm
+        window, the moments so far (:meth:`split` takes them back out)."""
         loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self.zero
         rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self.zero
-        return torch.stack([loss, rejected])
+        tally = torch.stack([loss, rejected])
+        if self.batchnorm is not None and self.batchnorm.open:
+            tally = torch.cat([tally, self.batchnorm.payload(tally.device)])
+        return tally
+
+    def split(self, reduced: list[float]) -> list[float]:
+        """The reduced tally's loss and vetoes; the BatchNorm moments after them go to their part."""
+        if self.batchnorm is not None and self.batchnorm.open and len(reduced) > 2:
+            self.batchnorm.receive(reduced[2:])
+        return reduced[:2]
 
     def agree(
         self, failure: LocalFailure | None, index: int, piece: Contribution | None, tally: torch.Tensor
     ) -> list[float] | None:
         """Before a synchronizing backward: all ranks go on, or all clear their gradients and raise."""
         try:
-            return agree_before_backward(
+            reduced = agree_before_backward(
                 failure,
                 None if piece is None else piece.backprop,
                 index,
@@ -93,6 +106,7 @@ class Meetings:
         except BaseException:
             self.abandoned()
             raise
+        return None if reduced is None else self.split(reduced)
 
     def abandoned(self) -> None:
         """A window given up at a meeting: gradients cleared, and DDP resynchronizes next window."""

@@ -102,6 +102,7 @@ class PostScalingEngine(WindowEngine):
             and self.layout is None
             and self.kind in ("local", "ddp")
             and self._noise is None  # its figures are read with the verdict
+            and self._batchnorm is None  # its update waits for the verdict on the host
         )
 
     def stream(
@@ -132,8 +133,8 @@ class PostScalingEngine(WindowEngine):
         k = 0
         resync = self.meetings.resync
         noise = self._noise
-        if noise is not None:
-            noise.start()
+        for part in self._windowed:  # the noise meter, BatchNorm's window moments
+            part.start()
         observer, plain = self.observer, kind == "local"  # the loop's Python runs k times a window
         nothing_to_defer = sync_deferred(model, kind, enabled=False)
         pieces = with_last(window, length)

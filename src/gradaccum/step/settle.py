@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gradaccum.step.batchnorm import WindowBatchNorm
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.noise import NoiseScaleMeter
 from gradaccum.step.window import Accumulated, WindowCount, WindowTotals
@@ -39,6 +40,7 @@ class WindowSettler:
         self.layout = layout
         self.noise = noise
         self.scaler = scaler
+        self.batchnorm: WindowBatchNorm | None = None  # set by step/batchnorm.py, like the meeting's
         # ranks that hold the same tokens (TP) add the same loss: the sum is divided by them
         self.loss_replicas = layout.tp if layout is not None else 1
         self.zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -84,6 +86,12 @@ class WindowSettler:
             ledger.add("noise_small", small, summed=distributed)
             ledger.add("noise_batches", batches, summed=distributed)
             ledger.add("noise_global", torch.stack([big, sigma]), summed=False)
+        # BatchNorm window moments not pooled in a meeting ride in this all-reduce (step/batchnorm.py)
+        batchnorm = (
+            self.batchnorm if still_local and self.batchnorm is not None and self.batchnorm.layers else None
+        )
+        if batchnorm is not None:
+            ledger.add("batchnorm", batchnorm.payload(self.device))
         ledger.add("global_count", counted.global_count, summed=False)
         ledger.add("local_count", counted.local_count, summed=False)
         smallest = self.zero if counted.min_count is None else counted.min_count
@@ -91,6 +99,8 @@ class WindowSettler:
         what = "the window's loss" if noise is None else "the window's loss and noise-scale sums"
         settled = ledger.settle(self.group, what=what, distributed=distributed)
         totals = settled.unpack(WindowTotals)
+        if batchnorm is not None:
+            batchnorm.receive(settled.device("batchnorm"))
         if noise is not None:
             big_sq, scale_sigma = settled.value("noise_global")  # type: ignore[misc]
             noisy = [settled.value("noise_small"), settled.value("noise_batches"), big_sq, scale_sigma]
