@@ -242,11 +242,11 @@ def test_the_setting_is_validated_and_refused_where_rows_would_count_twice() -> 
         CachedAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), batchnorm_stats="window")
     config = AccumConfig(batchnorm_stats="window")
     for where, pipeline, layout in (("PipelineAccumulator", True, None), ("a DeviceMesh", False, "mesh")):
-        engine = SimpleNamespace(model=model, config=config, layout=layout)
+        engine = SimpleNamespace(model=model, config=config, layout=layout, _pipeline=pipeline)
         with pytest.raises(ConfigError, match=f"batchnorm_stats='window'.* is not supported with {where}"):
-            window_batchnorm(engine, pipeline=pipeline)
-    plain = SimpleNamespace(model=model, config=AccumConfig(), layout="mesh")
-    assert window_batchnorm(plain, pipeline=True) is None
+            window_batchnorm(engine)
+    plain = SimpleNamespace(model=model, config=AccumConfig(), layout="mesh", _pipeline=True)
+    assert window_batchnorm(plain) is None
 
 
 def test_the_setting_survives_the_run_cards_json() -> None:

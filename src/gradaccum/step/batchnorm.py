@@ -253,7 +253,7 @@ def _update(module: nn.modules.batchnorm._BatchNorm, n: int, mean: torch.Tensor,
     running_var.copy_(new_var)
 
 
-def window_batchnorm(engine: Any, *, pipeline: bool) -> WindowBatchNorm | None:
+def window_batchnorm(engine: Any) -> WindowBatchNorm | None:
     """The engine's BatchNorm part for its ``config.batchnorm_stats``: ``None`` for PyTorch's own
     behaviour (``micro-batch``); refused where the window's rows are not one set of inputs per
     module (a pipeline's stages hold different layers; a mesh's replicas hold the same rows).
@@ -265,7 +265,7 @@ def window_batchnorm(engine: Any, *, pipeline: bool) -> WindowBatchNorm | None:
     and discards it in ``zero_grad``, which every skipped or abandoned window passes."""
     if engine.config.batchnorm_stats != "window":
         return None
-    where = "PipelineAccumulator (the stages hold different layers)" if pipeline else None
+    where = "PipelineAccumulator (the stages hold different layers)" if engine._pipeline else None
     if engine.layout is not None:
         where = "a DeviceMesh (tensor-parallel replicas hold the same rows)"
     if where is not None:

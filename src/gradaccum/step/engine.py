@@ -1,24 +1,22 @@
 """The window engine: one window of micro-batches, from counting to the optimizer step, written once.
 
-For a window of micro-batches B_1..B_k on each of W data-parallel ranks, with n_j counted units in
-B_j and N = sum over all ranks and micro-batches of n_j, the full-batch mean loss is
+For a window of micro-batches B_1..B_k on each of W data-parallel ranks, with n_j counted units in B_j and
+N = sum over all ranks and micro-batches of n_j, the full-batch mean loss is
 
     L = (1/N) sum_j sum_{t in B_j} l_t    so    grad L = sum_j grad( sum_{t in B_j} l_t ) / N.
 
-Each micro-batch therefore backpropagates its *summed* loss times 1/N. DDP and FSDP then *average*
-the W ranks' gradients, which divides by W once more, so each rank scales by W/N instead.
-Everything that belongs to the optimizer step (zero_grad, unscale, clip, step, scheduler, hooks)
-runs once per window; nothing runs per micro-batch except forward and backward.
+Each micro-batch therefore backpropagates its *summed* loss times 1/N. DDP and FSDP then *average* the W
+ranks' gradients, which divides by W once more, so each rank scales by W/N instead. Everything that
+belongs to the optimizer step (zero_grad, unscale, clip, step, scheduler, hooks) runs once per window;
+nothing runs per micro-batch except forward and backward.
 
-Every front end composes this engine: :class:`~gradaccum.step.accumulator.Accumulator` hands
-it the loss of each micro-batch, :class:`~gradaccum.cache.accumulator.CachedAccumulator` the
-replayed representations times their cached gradients, the pipeline its schedule's losses;
-post-scaling (:mod:`gradaccum.step.post_scaling`) is this engine with phases 1-3 streamed and the
-gradients scaled once before phase 4. What flows between the phases is :mod:`gradaccum.step.window`;
-phase 4's reduction is :mod:`gradaccum.step.settle`, its update :mod:`gradaccum.step.update`; the
-objects refused at construction are :mod:`gradaccum.step.objects`, the saved state
-:mod:`gradaccum.step.state`.
-The phases are
+Every front end composes this engine: :class:`~gradaccum.step.accumulator.Accumulator` hands it the loss
+of each micro-batch, :class:`~gradaccum.cache.accumulator.CachedAccumulator` the replayed representations
+times their cached gradients, the pipeline its schedule's losses; post-scaling
+(:mod:`gradaccum.step.post_scaling`) is this engine with phases 1-3 streamed and the gradients scaled once
+before phase 4. What flows between the phases is :mod:`gradaccum.step.window`; phase 4's reduction is
+:mod:`gradaccum.step.settle`, its update :mod:`gradaccum.step.update`; the objects refused at construction
+are :mod:`gradaccum.step.objects`, the saved state :mod:`gradaccum.step.state`. The phases are
 
 1. :meth:`WindowEngine.open`: materialize the window (a failure here is *returned*, for 2);
 2. :meth:`WindowEngine.count`: count every micro-batch and agree on N across ranks: collective 1,
@@ -29,11 +27,11 @@ The phases are
 4. :meth:`WindowEngine.conclude`: one host read decides for every rank (finite? counted?), then
    unscale, clip, step, schedule and hooks, once.
 
-So a DDP update costs two small all-reduces besides the gradients' own, and one process reads the
-device once. ``noise_scale=True`` (:mod:`gradaccum.step.noise`) adds parameter hooks that read each
-micro-batch's gradient and, under DDP with the agreement on, one small all-reduce of its sums in
-phase 4; no host read. A failure on one rank stops every rank at an agreement point instead of leaving the
-others in a collective: :mod:`gradaccum.step.agreement` says where, and what that cannot cover.
+So a DDP update costs two small all-reduces besides the gradients' own, and one process reads the device
+once. ``noise_scale=True`` (:mod:`gradaccum.step.noise`) adds parameter hooks that read each micro-batch's
+gradient and, under DDP with the agreement on, one small all-reduce of its sums in phase 4; no host read.
+A failure on one rank stops every rank at an agreement point instead of leaving the others in a
+collective: :mod:`gradaccum.step.agreement` says where, and what that cannot cover.
 """
 
 from __future__ import annotations
@@ -230,8 +228,7 @@ class WindowEngine:
         )
         # DDP that broadcasts buffers in a window's first forward (the same on every rank)
         self._broadcasts = broadcasts_buffers(self._synced, self.kind)
-        self._batchnorm = window_batchnorm(self, pipeline=pipeline)  # batchnorm_stats (step/batchnorm.py)
-        self._windowed = [p for p in (self._noise, self._batchnorm) if p is not None]  # opened per window
+        self._windowed = [p for p in (self._noise, window_batchnorm(self)) if p is not None]  # per window
 
     @property
     def noise_scale(self) -> NoiseScale:

@@ -102,7 +102,7 @@ class PostScalingEngine(WindowEngine):
             and self.layout is None
             and self.kind in ("local", "ddp")
             and self._noise is None  # its figures are read with the verdict
-            and self._batchnorm is None  # its update waits for the verdict on the host
+            and self.config.batchnorm_stats == "micro-batch"  # its update waits for the host verdict
         )
 
     def stream(
