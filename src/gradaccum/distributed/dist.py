@@ -19,6 +19,7 @@ __all__ = [
     "CollectiveError",
     "all_gather_objects",
     "all_reduce_sum_",
+    "all_reduce_sum_future",
     "collective_failed",
     "is_distributed",
     "looks_like_comm_failure",
@@ -82,6 +83,14 @@ def all_reduce_sum_(tensor: torch.Tensor, group: Any = None, *, what: str = "a t
         except RuntimeError as exc:
             raise collective_failed(what, exc, group) from exc
     return tensor
+
+
+def all_reduce_sum_future(tensor: torch.Tensor, group: Any = None) -> torch.futures.Future[Any]:
+    """Start summing ``tensor`` in place across ``group``; the future a DDP communication hook
+    returns (its value: a list holding ``tensor``)."""
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    assert work is not None  # async_op=True always returns a work handle
+    return work.get_future()
 
 
 def all_gather_objects(obj: Any, group: Any = None, *, what: str = "an object") -> list[Any]:

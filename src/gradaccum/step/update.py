@@ -10,7 +10,7 @@ engine with the layout it found and answers the same way every window.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ class OptimizerUpdate:
         layout: Any,
         uniform: bool,
         device: torch.device,
+        before_step: Callable[[], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.config = config
@@ -51,6 +52,7 @@ class OptimizerUpdate:
         self.norm_holders = layout.world // layout.pp if layout is not None else 1
         self.one = torch.ones(1, dtype=torch.float32, device=device)  # the fused check's unit scale
         self.device = device
+        self.before_step = before_step  # accum_dtype: the wide sums rounded once, after clipping
 
     def gradient_check(
         self, grads: list[torch.Tensor], *, noise: bool
@@ -111,6 +113,8 @@ class OptimizerUpdate:
                 clip_mesh_grads_(grads, config.max_grad_norm, norm)
             else:
                 clip_grads_(params, config.max_grad_norm, norm)
+        if self.before_step is not None:
+            self.before_step()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

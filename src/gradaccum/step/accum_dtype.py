@@ -1,0 +1,250 @@
+"""Accumulate the gradients of bfloat16/float16 parameters in float32 (``AccumConfig.accum_dtype``).
+
+A bf16 ``.grad`` rounds every micro-batch's sum to 8 significant bits: after k micro-batches the
+accumulated gradient carries up to k roundings of a growing sum, and its error grows with k (a GPT-2
+in bf16: 1.83x the k = 1 error at k = 64). Here the sum is held in ``accum_dtype`` and rounded into
+the parameter's dtype *once*, just before the optimizer step, so the error no longer depends on k.
+
+The mechanism, per wrapper (torch 2.13):
+
+- one process: ``param.grad_dtype = float32``. Autograd then casts each incoming bf16 gradient to
+  float32 and adds it into a float32 ``.grad``; clipping, the non-finite check and a GradScaler's
+  unscale read that sum. The fused, foreach and for-loop Adam/AdamW refuse a float32 gradient on a
+  bf16 parameter (SGD takes it), so :meth:`WideGradients.narrow` rounds ``.grad`` into the
+  parameter's dtype right before ``optimizer.step()``, and the optimizer sees what it always saw,
+  rounded once.
+- DDP: its reducer copies ``.grad`` into buckets of the parameter's dtype and refuses a float32
+  ``.grad`` ("Expected BFloat16, got Float"). So before each synchronizing backward the float32
+  sum is moved aside and that backward fills the bf16 bucket with the last micro-batch's gradient
+  alone; a communication hook adds the float32 sum back, divides by the W ranks (as DDP's own
+  reduction does) and all-reduces in float32: the ranks exchange the float32 *sum* (4 bytes per
+  parameter instead of 2). After the backward ``.grad`` is the reduced float32 sum again, the same
+  on every rank. A model with its own communication hook is refused (DDP takes one hook).
+- FSDP2 accumulates the unsharded gradient in ``MixedPrecisionPolicy.reduce_dtype`` when it differs
+  from the compute dtype (``FSDPParam.to_accumulated_grad_if_needed``), reduce-scatters it in that
+  dtype and rounds the shard once into the parameter's dtype. So FSDP2 needs no hook: the policy
+  must say ``reduce_dtype=accum_dtype``, and without it ``accum_dtype`` is refused, naming it.
+- FSDP1, a mesh without FSDP2, a pipeline: refused (their reductions and schedules hold gradients
+  where a float32 ``.grad`` cannot reach unchanged).
+
+Parameters already as wide as ``accum_dtype`` (float32 LayerNorms of a bf16 model) are left alone;
+a parameter wider than it (float64) is refused: accumulating it in float32 would lose precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gradaccum.distributed import dist
+from gradaccum.errors import ConfigError
+from gradaccum.precision import accum_dtype_of, dtype_name
+
+__all__ = ["WideGradients", "check_fsdp2_reduce_dtype", "wide_gradients"]
+
+
+def _narrow(params: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The trainable floating parameters narrower than ``dtype``; refuses a wider one."""
+    trainable = [p for p in params if p.requires_grad and p.is_floating_point()]
+    wider = sorted({dtype_name(p.dtype) for p in trainable if p.dtype.itemsize > dtype.itemsize})
+    if wider:
+        raise ConfigError(
+            f"AccumConfig.accum_dtype={dtype_name(dtype)!r} is narrower than the parameters' dtype "
+            f"{', '.join(wider)}: their gradients would lose precision. Leave accum_dtype=None for a "
+            f"{wider[0]} model (its gradients already accumulate in {wider[0]}), or use "
+            f"accum_dtype='{wider[0]}'."
+        )
+    return [p for p in trainable if p.dtype.itemsize < dtype.itemsize]
+
+
+def check_fsdp2_reduce_dtype(module: nn.Module, dtype: torch.dtype, policy: str) -> None:
+    """Refuse FSDP2 parameter groups that would accumulate narrower than ``dtype``.
+
+    FSDP2 has no public getter for the policy (torch 2.13): each FSDP module's state lists its
+    parameter groups, each holding the ``mp_policy`` it was built with and its parameters.
+    """
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
+        for group in groups or ():
+            mp = group.mp_policy
+            for fsdp_param in group.fsdp_params:
+                stored = fsdp_param.sharded_param.dtype
+                compute = mp.param_dtype or stored
+                if compute.itemsize >= dtype.itemsize:
+                    continue
+                if mp.reduce_dtype != dtype:
+                    raise ConfigError(
+                        f"AccumConfig.accum_dtype={dtype_name(dtype)!r} under FSDP2 needs "
+                        f"MixedPrecisionPolicy(reduce_dtype=torch.{dtype_name(dtype)}): this model computes "
+                        f"gradients in {dtype_name(compute)} with reduce_dtype={mp.reduce_dtype}, so FSDP2 "
+                        f"accumulates them in {dtype_name(compute)}. Build fully_shard(..., mp_policy="
+                        f"MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.{dtype_name(dtype)})); "
+                        "FSDP2 then accumulates and reduce-scatters in that dtype."
+                    )
+                if policy != "defer" and stored.itemsize < dtype.itemsize:
+                    raise ConfigError(
+                        f"AccumConfig.accum_dtype={dtype_name(dtype)!r} with sync_policy={policy!r} under "
+                        f"FSDP2: the gradient is reduce-scattered every micro-batch and the shards add up "
+                        f"in the parameters' {dtype_name(stored)}. Use sync_policy='defer' (the unsharded "
+                        "gradient accumulates in reduce_dtype), or keep float32 parameters."
+                    )
+
+
+class WideGradients:
+    """``accum_dtype`` for the parameters narrower than it (one process and DDP).
+
+    The engine calls :meth:`widen` whenever gradients are cleared (a window begins), wraps its
+    synchronizing backward with :meth:`around_sync` (DDP) and calls :meth:`narrow` just before the
+    optimizer step.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], dtype: torch.dtype, ddp: nn.Module | None) -> None:
+        self.params = list(params)
+        self.dtype = dtype
+        self._stashed: dict[int, torch.Tensor] = {}  # a parameter's float32 sum, set aside for a sync
+        self._reduced: dict[int, torch.Tensor] = {}  # its reduced float32 sum, from the hook
+        self._group: Any = None
+        self._ddp = ddp is not None
+        self._managed = {id(p) for p in self.params}
+        if ddp is not None:
+            self._group = getattr(ddp, "process_group", None)
+            try:
+                ddp.register_comm_hook(self._group, self._hook)  # type: ignore[operator]
+            except RuntimeError as exc:
+                raise ConfigError(
+                    "AccumConfig.accum_dtype under DDP reduces the float32 sum with its own "
+                    f"communication hook, and DDP takes one: {exc}. Drop the model's hook "
+                    "(bf16/fp16 compression hooks round what accum_dtype keeps) or accum_dtype."
+                ) from exc
+        self.widen()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of the wide sums while a window accumulates (what replaces the narrow ``.grad``)."""
+        return sum(p.numel() for p in self.params) * self.dtype.itemsize
+
+    def widen(self) -> None:
+        """Gradients arrive in ``accum_dtype`` from here on (a gradient already there is widened)."""
+        dtype = self.dtype
+        for p in self.params:
+            if p.grad_dtype != dtype:
+                grad = p.grad
+                p.grad = None
+                p.grad_dtype = dtype
+                if grad is not None:
+                    p.grad = grad.to(dtype)
+
+    def narrow(self) -> None:
+        """Round each wide sum once into its parameter's dtype: what every optimizer accepts."""
+        for p in self.params:
+            grad = p.grad
+            p.grad = None
+            p.grad_dtype = p.dtype
+            if grad is not None:
+                p.grad = grad.to(p.dtype)
+
+    def around_sync(self, backward: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+        """``backward`` for DDP's synchronizing backward: the wide sums set aside before it (the
+        reducer takes the parameter's dtype only), and ``.grad`` = the reduced wide sum after.
+        ``backward`` itself on one process, where no reduction intervenes."""
+        if not self._ddp:
+            return backward
+
+        def synchronizing_backward(contribution: torch.Tensor) -> Any:
+            for p in self.params:
+                grad = p.grad
+                p.grad = None
+                p.grad_dtype = p.dtype
+                if grad is not None:
+                    self._stashed[id(p)] = grad
+            try:
+                return backward(contribution)
+            finally:
+                self._settle()
+
+        return synchronizing_backward
+
+    def _settle(self) -> None:
+        """Each parameter's ``.grad``: its reduced wide sum (or, where the backward failed before
+        the reduction, its sum as it was, for the engine to clear)."""
+        for p in self.params:
+            key = id(p)
+            wide = self._reduced.pop(key, None)
+            stashed = self._stashed.pop(key, None)
+            p.grad = None
+            p.grad_dtype = self.dtype
+            if wide is not None:
+                p.grad = wide
+            elif stashed is not None:
+                p.grad = stashed
+
+    def _hook(self, group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """DDP's communication hook: all-reduce (the wide sums + this backward's gradients) / W."""
+        buffer: torch.Tensor = bucket.buffer()
+        params: list[torch.Tensor] = bucket.parameters()
+        world = dist.world_size(group)
+        if not any(id(p) in self._managed for p in params):  # a float32 bucket: DDP's own reduction
+            buffer.div_(world)
+            return dist.all_reduce_sum_future(buffer, group).then(lambda fut: fut.value()[0])
+        wide = buffer.to(self.dtype)
+        offset = 0
+        for p in params:  # the bucket holds its parameters' gradients flat, in this order
+            stashed = self._stashed.pop(id(p), None)
+            if stashed is not None:
+                wide[offset : offset + p.numel()].add_(stashed.reshape(-1))
+            offset += p.numel()
+        wide.div_(world)
+
+        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            reduced: torch.Tensor = fut.value()[0]
+            start = 0
+            for p in params:
+                self._reduced[id(p)] = reduced[start : start + p.numel()].view_as(p)
+                start += p.numel()
+            buffer.copy_(reduced)  # what DDP writes into .grad, replaced by the wide sum after
+            return buffer
+
+        return dist.all_reduce_sum_future(wide, group).then(done)
+
+
+def wide_gradients(
+    accum_dtype: str | None,
+    params: Sequence[torch.Tensor],
+    *,
+    kind: str,
+    synced: nn.Module,
+    policy: str,
+    layout: Any,
+    pipeline: bool,
+) -> WideGradients | None:
+    """What the engine needs for ``accum_dtype``: ``None`` when nothing is to widen (unset, no
+    narrower parameter, or FSDP2 doing it by its policy); refuses what it cannot do exactly."""
+    if accum_dtype is None:
+        return None
+    dtype = accum_dtype_of(accum_dtype)
+    if kind == "fsdp2":
+        check_fsdp2_reduce_dtype(synced, dtype, policy)
+        return None
+    narrow = _narrow(params, dtype)
+    if not narrow:
+        return None
+    where = (
+        "a pipeline schedule (its stages' backwards and reductions run inside the schedule)"
+        if pipeline
+        else "a device mesh without FSDP2 (its parameters are DTensors spread over the mesh)"
+        if layout is not None
+        else "FSDP1 (its flat parameters reduce in their own dtype)"
+        if kind == "fsdp"
+        else None
+    )
+    if where is not None:
+        raise ConfigError(
+            f"AccumConfig.accum_dtype={accum_dtype!r} is not supported with {where}: the float32 "
+            "sum could not reach the optimizer unchanged. Use one process, DDP, or FSDP2 with "
+            "MixedPrecisionPolicy(reduce_dtype=torch.float32), or leave accum_dtype=None."
+        )
+    return WideGradients(narrow, dtype, synced if kind == "ddp" else None)
