@@ -22,6 +22,7 @@ import torch.nn as nn
 from gradaccum.batch import Batch, batch_size, cast, split
 from gradaccum.errors import PlanError
 from gradaccum.step.accumulator import Accumulator
+from gradaccum.step.config import Scaling
 
 __all__ = ["AccumulationError", "GradientProbe", "accumulation_error", "accumulation_errors"]
 
@@ -76,12 +77,13 @@ def accumulation_errors(
     accum_steps: Sequence[int],
     accum_dtypes: Sequence[str | None] = (None, "float32"),
     dtype: torch.dtype = torch.bfloat16,
+    scaling: Scaling = "pre",
 ) -> list[AccumulationError]:
     """relL2 for every k in ``accum_steps`` and every accumulation dtype, on one set of weights.
 
     ``model`` is cast to ``dtype`` once (those weights are the reference's too); ``batch`` is the
     global batch, split into k equal micro-batches (k must divide it); ``loss_fn(model, mb)``
-    returns the micro-batch's summed loss, ``count_fn(mb)`` its units.
+    returns the micro-batch's summed loss, ``count_fn(mb)`` its units; ``scaling``: the step's.
     """
     size = batch_size(batch)
     bad = [k for k in accum_steps if k < 1 or size % k]
@@ -98,7 +100,7 @@ def accumulation_errors(
         for k in accum_steps:
             trial = copy.deepcopy(low)
             probe = GradientProbe(trial.parameters())
-            step = Accumulator(trial, probe, accum_dtype=accum_dtype)
+            step = Accumulator(trial, probe, accum_dtype=accum_dtype, scaling=scaling)
             step.step(split(cast(batch, dtype), size // k), loss_fn, count_fn)
             error = float(torch.linalg.vector_norm(_flat(probe.seen) - reference)) / norm
             results.append(AccumulationError(accum_steps=k, accum_dtype=accum_dtype, rel_l2=error))

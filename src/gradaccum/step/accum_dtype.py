@@ -109,6 +109,7 @@ class WideGradients:
         self._reduced: dict[int, torch.Tensor] = {}  # its reduced float32 sum, from the hook
         self._group: Any = None
         self._ddp = ddp is not None
+        self.reduced_bytes = 0  # what the communication hook has all-reduced, payload bytes
         self._managed = {id(p) for p in self.params}
         if ddp is not None:
             self._group = getattr(ddp, "process_group", None)
@@ -189,6 +190,7 @@ class WideGradients:
         world = dist.world_size(group)
         if not any(id(p) in self._managed for p in params):  # a float32 bucket: DDP's own reduction
             buffer.div_(world)
+            self.reduced_bytes += buffer.numel() * buffer.element_size()
             return dist.all_reduce_sum_future(buffer, group).then(lambda fut: fut.value()[0])
         wide = buffer.to(self.dtype)
         offset = 0
@@ -198,6 +200,7 @@ class WideGradients:
                 wide[offset : offset + p.numel()].add_(stashed.reshape(-1))
             offset += p.numel()
         wide.div_(world)
+        self.reduced_bytes += wide.numel() * wide.element_size()
 
         def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
             reduced: torch.Tensor = fut.value()[0]
