@@ -31,13 +31,14 @@ Parameters already as wide as ``accum_dtype`` (float32 LayerNorms of a bf16 mode
 a parameter wider than it (float64) is refused: accumulating it in float32 would lose precision.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP reads the communication hook's annotations
+# (``bucket: GradBucket``) at registration and refuses strings.
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed import GradBucket
 
 from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError
@@ -183,7 +184,7 @@ class WideGradients:
             elif stashed is not None:
                 p.grad = stashed
 
-    def _hook(self, group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    def _hook(self, group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook: all-reduce (the wide sums + this backward's gradients) / W."""
         buffer: torch.Tensor = bucket.buffer()
         params: list[torch.Tensor] = bucket.parameters()

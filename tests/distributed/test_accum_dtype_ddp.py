@@ -1,0 +1,123 @@
+"""``accum_dtype`` under real DDP and FSDP2 (gloo, two processes).
+
+DDP: the issue's bf16 GPT-2 and 128 sequences, 64 per rank in k = 32 micro-batches, against the
+one-process k = 1 error (the bound 1.15x is argued in tests/unit/test_accum_dtype.py; the float32
+all-reduce of two ranks' sums adds one more float32 rounding, ~6e-8). The ranks must hold the same
+gradient bit for bit, and the synchronizing all-reduce must carry float32: 4 bytes per parameter.
+FSDP2: refused without ``reduce_dtype``, naming it; with ``reduce_dtype=float32`` FSDP2 accumulates
+the unsharded gradient in float32 itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradaccum import Accumulator, split
+from gradaccum.batch import cast
+from gradaccum.check.accumulation import GradientProbe, accumulation_errors
+from gradaccum.errors import ConfigError
+from tests.helpers import models
+from tests.helpers.ddp import rank_slice
+from tests.helpers.launcher import run_ranks, values
+from tests.helpers.precision import SEQUENCES, gpt2, gpt2_count, gpt2_loss, padded_sequences
+
+pytestmark = pytest.mark.distributed
+
+BOUND = 1.15
+PER_RANK_K = 32
+
+
+def _ddp_gradients(rank: int, world: int) -> dict[str | None, dict[str, Any]]:
+    return {accum_dtype: _ddp_gradient(rank, world, accum_dtype) for accum_dtype in (None, "float32")}
+
+
+def _ddp_gradient(rank: int, world: int, accum_dtype: str | None) -> dict[str, Any]:
+    low = gpt2().to(torch.bfloat16)
+    ddp = DDP(low)
+    probe = GradientProbe(ddp.parameters())
+    acc = Accumulator(ddp, probe, accum_dtype=accum_dtype)
+    half = SEQUENCES // world
+    mine = rank_slice(padded_sequences(), [0, half, SEQUENCES], rank)
+    acc.step(split(cast(mine, torch.bfloat16), half // PER_RANK_K), gpt2_loss, gpt2_count)
+    wide = acc._engine._wide  # the hook's byte count: what the synchronizing all-reduce carried
+    return {
+        "grad": torch.cat([g.reshape(-1) for g in probe.seen]),
+        "reduced_bytes": None if wide is None else wide.reduced_bytes,
+        "parameters": sum(p.numel() for p in low.parameters()),
+    }
+
+
+def _reference() -> tuple[torch.Tensor, float]:
+    """The float64 full-batch gradient on the bf16 weights, and the one-process k = 1 error."""
+    low = gpt2().to(torch.bfloat16)
+    wide = copy.deepcopy(low).to(torch.float64)
+    batch = padded_sequences()
+    (gpt2_loss(wide, batch) / gpt2_count(batch)).backward()
+    reference = torch.cat([p.grad.reshape(-1) for p in wide.parameters()])
+    (k1,) = accumulation_errors(gpt2(), batch, gpt2_loss, gpt2_count, accum_steps=[1], accum_dtypes=[None])
+    return reference, k1.rel_l2
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[torch.Tensor, float]:
+    return _reference()
+
+
+@pytest.fixture(scope="module")
+def ddp_runs() -> list[dict[str | None, dict[str, Any]]]:
+    return values(run_ranks(_ddp_gradients, timeout_s=240))
+
+
+def _rel(grad: torch.Tensor, reference: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(grad - reference) / torch.linalg.vector_norm(reference))
+
+
+def test_ddp_accumulates_and_reduces_the_float32_sum(
+    reference: tuple[torch.Tensor, float], ddp_runs: list[dict[str | None, dict[str, Any]]]
+) -> None:
+    full, k1 = reference
+    ranks = [run["float32"] for run in ddp_runs]
+    assert torch.equal(ranks[0]["grad"], ranks[1]["grad"])  # the ranks step on the same gradient
+    assert _rel(ranks[0]["grad"], full) <= BOUND * k1
+    # one window, one synchronizing backward: every parameter all-reduced once, in float32
+    assert ranks[0]["reduced_bytes"] == 4 * ranks[0]["parameters"]
+
+
+def test_ddp_bf16_grad_accumulation_is_worse(
+    reference: tuple[torch.Tensor, float], ddp_runs: list[dict[str | None, dict[str, Any]]]
+) -> None:
+    # the control: the same run with bf16 .grad exceeds the bound (the issue measured 1.49x)
+    full, k1 = reference
+    ranks = [run[None] for run in ddp_runs]
+    assert torch.equal(ranks[0]["grad"], ranks[1]["grad"])
+    assert _rel(ranks[0]["grad"], full) > BOUND * k1
+
+
+def _fsdp2(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out: dict[str, Any] = {}
+    model = fully_shard(models.mlp(dtype=torch.bfloat16))
+    try:
+        Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accum_dtype="float32")
+    except ConfigError as exc:
+        out["refusal"] = str(exc)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    model = fully_shard(models.mlp(dtype=torch.bfloat16), mp_policy=policy)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), accum_dtype="float32")
+    batch = rank_slice(models.mlp_batch(16), [0, 8, 16], rank)
+    result = acc.step(split(cast(batch, torch.bfloat16), 2), models.mlp_loss, models.count_rows)
+    out["applied"] = result.applied
+    return out
+
+
+def test_fsdp2_needs_reduce_dtype() -> None:
+    ranks = values(run_ranks(_fsdp2, timeout_s=120))
+    for rank in ranks:
+        assert "reduce_dtype" in rank["refusal"] and "accum_dtype='float32'" in rank["refusal"]
+        assert rank["applied"]
