@@ -42,6 +42,8 @@ WRONG: list[tuple[str, Any, str]] = [
     ("scaling", None, "scaling must be 'pre'"),
     ("batchnorm_stats", "batch", r"batchnorm_stats must be one of \['micro-batch', 'window'\]"),
     ("batchnorm_stats", None, "batchnorm_stats must be one of"),
+    ("accum_dtype", "int8", "accum_dtype must be None .* got 'int8'"),
+    ("accum_dtype", torch.bfloat16, "accum_dtype must be None .* got torch.bfloat16"),
 ]
 
 

@@ -21,7 +21,8 @@ class Finding:
 
     code: str
     """Stable rule name: ``batch-norm``, ``running-stats``, ``random-layer``, ``moe-router``,
-    ``declared-hazard``, ``compiled-python-denominator``, ``note`` or ``verify``."""
+    ``declared-hazard``, ``compiled-python-denominator``, ``low-precision-accumulation``, ``note``
+    or ``verify``."""
     severity: Severity
     """``error``: the accumulated gradient differs from the full batch's, so verify fails;
     ``warning``: gradients match, but something else changes with k (running estimates, random

@@ -42,6 +42,7 @@ import torch.nn as nn
 from gradaccum.errors import PlanError
 from gradaccum.hazards.compiled import compiled_findings
 from gradaccum.hazards.finding import Finding, Severity
+from gradaccum.hazards.precision import precision_findings
 from gradaccum.values import require_int
 
 __all__ = [
@@ -527,6 +528,7 @@ def scan(
                 routers.append(path)
                 findings.append(_router_finding(path, module, k, model))
         findings.extend(_declared_finding(h, k, micro_batch) for h in dict.fromkeys(declared_hazards))
+        findings.extend(precision_findings(model, k))
     findings.extend(compiled_findings(model, loss_fn))
     findings.sort(key=lambda f: _RANK[f.severity])  # stable: model order within a severity
     findings.append(_closing_note())
