@@ -200,7 +200,9 @@ def test_scan_is_quiet_below_k16_or_in_float32(dtype: torch.dtype, k: int) -> No
     assert "low-precision-accumulation" not in codes
 
 
-def test_the_expected_extra_error_matches_the_measurement(errors: dict[tuple[str | None, int], float]) -> None:
+def test_the_expected_extra_error_matches_the_measurement(
+    errors: dict[tuple[str | None, int], float],
+) -> None:
     # the formula was fitted on this set: within 25% of the root-sum-square extra at k = 16 and 64
     for k in (16, 64):
         measured = (errors[(None, k)] ** 2 - errors[(None, 1)] ** 2) ** 0.5

@@ -1,0 +1,37 @@
+"""``accum_dtype`` on the command line: a run card records it and ``train`` replays it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradaccum.cli.main import main
+from gradaccum.plan import BatchPlan
+from gradaccum.runcard import RunCard, read_runcard, write_runcard
+from gradaccum.step.accumulator import Accumulator
+from gradaccum.step.config import AccumConfig
+
+
+def test_a_run_card_records_accum_dtype_and_train_replays_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    card = tmp_path / "card.json"
+    plan = BatchPlan(micro_batch=4, accum_steps=2, dp=1)
+    accum = AccumConfig(accum_dtype="float32")
+    write_runcard(RunCard(workload="gradaccum.examples:tiny_gpt", plan=plan, accum=accum), card)
+    assert read_runcard(card).accum.accum_dtype == "float32"
+    built: list[Accumulator] = []
+    from_config = Accumulator.from_config
+
+    def spy(*args: Any, **kwargs: Any) -> Accumulator:
+        built.append(from_config(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(Accumulator, "from_config", spy)
+    assert main(["train", "--runcard", str(card), "--steps", "1", "--run-dir", str(tmp_path / "run")]) == 0
+    assert [acc.config.accum_dtype for acc in built] == ["float32"]
+    trained = json.loads((tmp_path / "run" / "runcard.json").read_text())
+    assert trained["accum"]["accum_dtype"] == "float32"
