@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +36,22 @@ def test_a_run_card_records_accum_dtype_and_train_replays_it(
     assert [acc.config.accum_dtype for acc in built] == ["float32"]
     trained = json.loads((tmp_path / "run" / "runcard.json").read_text())
     assert trained["accum"]["accum_dtype"] == "float32"
+
+
+def test_verify_in_bf16_reports_the_accumulation_error_at_k_beside_k1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # the default workload (tiny GPT, 8 examples, micro-batch 2): k = 4
+    code = main(["verify", "--precision", "bfloat16", "--trace-steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "accumulation precision" in out
+    assert "bfloat16 parameters, relL2" in out
+    assert re.search(r"k=1: \d", out)
+    assert re.search(r"k=4, \.grad in bfloat16: \S+ \(x\d\.\d\d\)", out)
+    assert re.search(r"k=4, accum_dtype='float32': \S+ \(x\d\.\d\d\)", out)
+
+
+def test_verify_in_float32_does_not_measure_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--trace-steps", "0"]) == 0
+    assert "accumulation precision" not in capsys.readouterr().out

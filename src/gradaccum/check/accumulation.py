@@ -24,7 +24,14 @@ from gradaccum.errors import PlanError
 from gradaccum.step.accumulator import Accumulator
 from gradaccum.step.config import Scaling
 
-__all__ = ["AccumulationError", "GradientProbe", "accumulation_error", "accumulation_errors"]
+__all__ = [
+    "AccumulationError",
+    "GradientProbe",
+    "PrecisionReport",
+    "accumulation_error",
+    "accumulation_errors",
+    "precision_report",
+]
 
 
 class GradientProbe(torch.optim.Optimizer):
@@ -122,3 +129,51 @@ def accumulation_error(
         model, batch, loss_fn, count_fn, accum_steps=[accum_steps], accum_dtypes=[accum_dtype], dtype=dtype
     )
     return result.rel_l2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrecisionReport:
+    """What ``verify --precision bfloat16`` prints: the accumulation error at the user's k beside k = 1."""
+
+    dtype: str
+    """The parameters' dtype measured (``bfloat16``/``float16``)."""
+    accum_steps: int
+    """The user's k."""
+    at_one: float
+    """relL2 at k = 1: the model's own low-precision arithmetic."""
+    narrow: float
+    """relL2 at k, gradients accumulated in the parameters' dtype (``accum_dtype=None``)."""
+    wide: float
+    """relL2 at k with ``accum_dtype="float32"``."""
+
+    def lines(self) -> list[str]:
+        k, base = self.accum_steps, self.at_one
+        return [
+            f"{self.dtype} parameters, relL2 of the optimizer's gradient vs the float64 full batch:",
+            f"  k=1: {base:.3g}",
+            f"  k={k}, .grad in {self.dtype}: {self.narrow:.3g} (x{self.narrow / base:.2f})",
+            f"  k={k}, accum_dtype='float32': {self.wide:.3g} (x{self.wide / base:.2f})",
+        ]
+
+
+def precision_report(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    count_fn: Callable[[Any], Any],
+    *,
+    accum_steps: int,
+    dtype: torch.dtype,
+) -> PrecisionReport:
+    """The accumulation error of ``model`` in ``dtype`` at ``accum_steps`` beside k = 1."""
+    found = accumulation_errors(
+        model, batch, loss_fn, count_fn, accum_steps=sorted({1, accum_steps}), dtype=dtype
+    )
+    at = {(r.accum_dtype, r.accum_steps): r.rel_l2 for r in found}
+    return PrecisionReport(
+        dtype=str(dtype).removeprefix("torch."),
+        accum_steps=accum_steps,
+        at_one=at[(None, 1)],
+        narrow=at[(None, accum_steps)],
+        wide=at[("float32", accum_steps)],
+    )

@@ -352,6 +352,8 @@ def run(args: argparse.Namespace) -> int:
         _render_trace(trace)
     elif args.trace_steps:
         console.print("[bold]stage 2[/bold]: not run, because stage 1 failed")
+    if args.trace_dtype in ("bfloat16", "float16"):
+        _render_precision(workload, report.sizes, args.trace_dtype, args.seed)
     passed = report.passed and (trace is None or trace.passed) and (balance is None or balance.passed)
     weak = weak_reasons(report, workload) if passed else []
     for reason in weak:
@@ -373,6 +375,33 @@ def run(args: argparse.Namespace) -> int:
             "compounds (a large learning rate, loss spikes) or for state that differs between the runs"
         )
     return EXIT_OK if passed else EXIT_FAILED
+
+
+def _render_precision(
+    workload: Workload, sizes: tuple[int, ...] | list[int], precision: str, seed: int
+) -> None:
+    """The accumulation error at the user's k beside k = 1, with the parameters themselves in the
+    low precision (pure bf16/fp16 models; autocast keeps float32 gradients): informational."""
+    from gradaccum.check.accumulation import precision_report
+    from gradaccum.precision import dtype_of
+
+    k = len(sizes)
+    if len(set(sizes)) != 1:
+        console.print("[bold]accumulation precision[/bold]: not measured (unequal micro-batches)")
+        return
+    found = precision_report(
+        workload.build_model(),
+        workload.batch(seed),
+        workload.loss_fn,
+        workload.count_fn,
+        accum_steps=k,
+        dtype=dtype_of(precision),
+    )
+    console.print(
+        "[bold]accumulation precision[/bold] (parameters cast to the precision; not part of the verdict)"
+    )
+    for line in found.lines():
+        console.print(f"  {escape(line)}")
 
 
 def _run_mesh(args: argparse.Namespace, workload: Workload, device: torch.device) -> int:
