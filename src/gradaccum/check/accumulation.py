@@ -12,7 +12,7 @@ own step.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ __all__ = [
 class GradientProbe(torch.optim.Optimizer):
     """An optimizer that records the gradients its ``step`` is handed and changes nothing."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
         super().__init__(list(params), {})
         self.seen: list[torch.Tensor] = []
 

@@ -42,7 +42,7 @@ from torch.distributed import GradBucket
 
 from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError
-from gradaccum.precision import accum_dtype_of, dtype_name
+from gradaccum.precision import accum_dtype_name, accum_dtype_of, dtype_name
 
 __all__ = ["WideGradients", "check_fsdp2_reduce_dtype", "wide_gradients"]
 
@@ -216,7 +216,7 @@ class WideGradients:
 
 
 def wide_gradients(
-    accum_dtype: str | None,
+    accum_dtype: str | torch.dtype | None,
     params: Sequence[torch.Tensor],
     *,
     kind: str,
@@ -227,9 +227,10 @@ def wide_gradients(
 ) -> WideGradients | None:
     """What the engine needs for ``accum_dtype``: ``None`` when nothing is to widen (unset, no
     narrower parameter, or FSDP2 doing it by its policy); refuses what it cannot do exactly."""
-    if accum_dtype is None:
+    name = accum_dtype_name(accum_dtype)  # AccumConfig stores the name; a dtype is named here too
+    if name is None:
         return None
-    dtype = accum_dtype_of(accum_dtype)
+    dtype = accum_dtype_of(name)
     if kind == "fsdp2":
         check_fsdp2_reduce_dtype(synced, dtype, policy)
         return None
@@ -247,7 +248,7 @@ def wide_gradients(
     )
     if where is not None:
         raise ConfigError(
-            f"AccumConfig.accum_dtype={accum_dtype!r} is not supported with {where}: the float32 "
+            f"AccumConfig.accum_dtype={name!r} is not supported with {where}: the float32 "
             "sum could not reach the optimizer unchanged. Use one process, DDP, or FSDP2 with "
             "MixedPrecisionPolicy(reduce_dtype=torch.float32), or leave accum_dtype=None."
         )
