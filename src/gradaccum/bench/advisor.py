@@ -61,6 +61,8 @@ class Row:
     """Where it comes from: ``CUDA max reserved`` or ``from the tensors``."""
     persistent_bytes: float
     """Parameters + gradients + optimizer state, per rank."""
+    accum_buffer_bytes: float = 0.0
+    """Of ``persistent_bytes``: the float32 sums of ``AccumConfig.accum_dtype``."""
 
     @classmethod
     def of(cls, summary: ConfigSummary) -> Row | None:
@@ -82,6 +84,7 @@ class Row:
             ),
             memory_kind="CUDA max reserved" if cuda else "from the tensors",
             persistent_bytes=float(m.persistent_bytes),
+            accum_buffer_bytes=float(m.accum_buffer_bytes),
         )
 
     def words(self, contrast: Row | None = None) -> str:
@@ -116,6 +119,7 @@ class Row:
             "memory_bytes": self.memory_bytes,
             "memory_kind": self.memory_kind,
             "persistent_bytes": self.persistent_bytes,
+            "accum_buffer_bytes": self.accum_buffer_bytes,
         }
 
 
@@ -220,6 +224,11 @@ def _nothing_fits(rows: Sequence[Row], budget_bytes: float) -> Advice:
         lightest.persistent_bytes, budget_bytes, sharded_dp=lightest.plan.dp if lightest.fsdp else None
     )
     if wall is not None:
+        if lightest.accum_buffer_bytes:
+            wall += (
+                f" Of the persistent term, {fmt_size(lightest.accum_buffer_bytes)} are the float32 sums of "
+                "accum_dtype: accum_dtype=None frees them, at the accumulation error gradaccum scan reports."
+            )
         return Advice(
             budget_bytes=budget_bytes,
             outcome="persistent",

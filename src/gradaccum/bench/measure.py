@@ -39,7 +39,13 @@ from torch.nn.parallel import DistributedDataParallel
 from gradaccum import precision
 from gradaccum.batch import Batch, cast, split, take
 from gradaccum.bench.checkpointing import RecomputeProbe, apply_checkpointing, checkpoint_blocks
-from gradaccum.bench.memory import GradientCensus, MemoryFigures, persistent_bytes, saved_bytes
+from gradaccum.bench.memory import (
+    GradientCensus,
+    MemoryFigures,
+    accum_buffer_bytes,
+    persistent_bytes,
+    saved_bytes,
+)
 from gradaccum.bench.spec import Measurement, MeasureSpec, PairedRecord, PairedSpec, RunRecord
 from gradaccum.check.workload import Workload
 from gradaccum.distributed import dist
@@ -380,6 +386,7 @@ class _Arm:
                 max_reserved_bytes=int(max(r["peak_reserved"] for r in everyone)) if cuda else None,
                 recompute_bytes=int(worst["recompute"]),
                 held_gradient_bytes=int(max(r["held"] for r in everyone)),
+                accum_buffer_bytes=accum_buffer_bytes(self.model, self.acc.config.accum_dtype),
             ),
             allgather_calls_per_update=None if gathers is None else int(gathers[0]),
             allgather_bytes_per_update=None if gathers is None else int(gathers[1]),

@@ -42,8 +42,16 @@ import torch
 import torch.nn as nn
 
 from gradaccum.distributed.wrap import fsdp2_units
+from gradaccum.precision import accum_dtype_name, accum_dtype_of
 
-__all__ = ["GradientCensus", "MemoryFigures", "SavedBytes", "persistent_bytes", "saved_bytes"]
+__all__ = [
+    "GradientCensus",
+    "MemoryFigures",
+    "SavedBytes",
+    "accum_buffer_bytes",
+    "persistent_bytes",
+    "saved_bytes",
+]
 
 StorageKey = tuple[int, int, str]
 
@@ -71,11 +79,18 @@ class MemoryFigures:
     held_gradient_bytes: int | None = None
     """The most gradient bytes one rank held at a micro-batch boundary of a window (under FSDP2
     with deferred sync, the unsharded gradients too); ``None`` where not measured."""
+    accum_buffer_bytes: int = 0
+    """The float32 sums ``AccumConfig.accum_dtype`` keeps for narrower parameters while a window
+    accumulates (:func:`accum_buffer_bytes`); 0 without it. Persistent: every window holds them,
+    and the rounding before the step holds them beside the narrow gradient."""
 
     @property
     def persistent_bytes(self) -> int:
-        """Parameters + gradients + optimizer state: what no micro-batch size changes."""
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+        """Parameters + gradients + optimizer state (+ ``accum_dtype``'s sums): what no micro-batch
+        size changes."""
+        return (
+            self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes + self.accum_buffer_bytes
+        )
 
     @property
     def saved_bytes(self) -> int:
@@ -87,7 +102,7 @@ class MemoryFigures:
         """The peak from the tensors: parameters, optimizer state, the larger of the gradients after
         an update and those held within a window, and one micro-batch's activations. Kernels'
         workspace and the allocator's slack come on top (CUDA's own figures show them)."""
-        gradients = max(self.gradient_bytes, self.held_gradient_bytes or 0)
+        gradients = max(self.gradient_bytes, self.held_gradient_bytes or 0) + self.accum_buffer_bytes
         return self.parameter_bytes + self.optimizer_state_bytes + gradients + self.activation_bytes
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,6 +143,20 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[StorageKey]) -> int
             seen.add(key)
             total += key[1]
     return total
+
+
+def accum_buffer_bytes(model: nn.Module, accum_dtype: str | torch.dtype | None) -> int:
+    """Bytes of the sums ``accum_dtype`` holds: its itemsize per trainable parameter narrower than it
+    (a bf16 model in float32: 4 bytes per parameter); 0 for ``None``."""
+    name = accum_dtype_name(accum_dtype)
+    if name is None:
+        return 0
+    dtype = accum_dtype_of(name)
+    return sum(
+        p.numel() * dtype.itemsize
+        for p in model.parameters()
+        if p.requires_grad and p.is_floating_point() and p.dtype.itemsize < dtype.itemsize
+    )
 
 
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
