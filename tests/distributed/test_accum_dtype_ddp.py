@@ -116,8 +116,41 @@ def _fsdp2(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_fsdp2_needs_reduce_dtype() -> None:
-    ranks = values(run_ranks(_fsdp2, timeout_s=120))
-    for rank in ranks:
+def test_fsdp2_needs_reduce_dtype_and_ddp_refuses_a_second_hook_and_post_scaling_matches(
+    wrapped: list[dict[str, Any]],
+) -> None:
+    for rank in wrapped:
         assert "reduce_dtype" in rank["refusal"] and "accum_dtype='float32'" in rank["refusal"]
         assert rank["applied"]
+        assert "communication hook" in rank["hook refusal"] and "accum_dtype" in rank["hook refusal"]
+        # float32 parameters summed in float64 under DDP: pre- and post-scaling differ by the float32
+        # rounding of W/N in pre's loss scale and float32 backprops of scaled losses (~1e-7 relative);
+        # after the one rounding to float32 they agree to a few float32 ulps
+        for pre, post in zip(rank["pre"], rank["post"], strict=True):
+            assert torch.allclose(pre, post, rtol=1e-5, atol=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(wrapped[0]["post"], wrapped[1]["post"], strict=True))
+
+
+def _ddp_hook_and_post(rank: int, world: int) -> dict[str, Any]:
+    from gradaccum.distributed.comm import count_allreduces
+
+    out: dict[str, Any] = _fsdp2(rank, world)
+    hooked = DDP(models.mlp(dtype=torch.bfloat16))
+    count_allreduces(hooked)  # a hook of the model's own
+    try:
+        Accumulator(hooked, torch.optim.SGD(hooked.parameters(), lr=0.1), accum_dtype="float32")
+    except ConfigError as exc:
+        out["hook refusal"] = str(exc)
+    batch = rank_slice(models.mlp_batch(16, dtype=torch.float32), [0, 6, 16], rank)  # uneven counts
+    for scaling in ("pre", "post"):
+        ddp = DDP(models.mlp(dtype=torch.float32))
+        probe = GradientProbe(ddp.parameters())
+        acc = Accumulator(ddp, probe, accum_dtype="float64", scaling=scaling)
+        acc.step(split(batch, 2), models.mlp_loss, models.count_rows)
+        out[scaling] = probe.seen
+    return out
+
+
+@pytest.fixture(scope="module")
+def wrapped() -> list[dict[str, Any]]:
+    return values(run_ranks(_ddp_hook_and_post, timeout_s=120))
