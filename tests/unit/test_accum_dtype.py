@@ -74,8 +74,8 @@ def _by_hand(model: torch.nn.Module, window: list[Any]) -> list[torch.Tensor]:
     """Each micro-batch's bf16 gradient (loss x 1/N in the loss's dtype, as the step scales it),
     summed in float32 in window order, rounded once to bf16."""
     n = sum(int(models.count_rows(mb)) for mb in window)
-    scale = torch.tensor(1.0 / n, dtype=torch.float64)
-    sums = [torch.zeros(p.shape, dtype=torch.float32) for p in model.parameters()]
+    scale = torch.tensor(1.0 / n, dtype=torch.float64, device=window[0]["x"].device)
+    sums = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
     for mb in window:
         loss = models.mlp_loss(model, mb)
         grads = torch.autograd.grad(loss * scale.to(loss.dtype), list(model.parameters()))
@@ -114,12 +114,16 @@ def test_clipping_and_the_norm_read_the_float32_sum() -> None:
     assert clipped == pytest.approx(want / 2, rel=1e-2)  # clipped in float32, then rounded to bf16
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+)  # the CUDA fused/foreach kernels are other code
 @pytest.mark.parametrize("options", [{"foreach": False}, {"foreach": True}, {"fused": True}])
-def test_adamw_steps_on_the_rounded_gradient(options: dict[str, bool]) -> None:
+def test_adamw_steps_on_the_rounded_gradient(options: dict[str, bool], device: str) -> None:
     # AdamW refuses a float32 .grad on a bf16 parameter in every implementation; the rounding
     # before the step is what lets it run, and it then sees exactly the rounded sum
     model, window = _mlp_window(torch.bfloat16)
-    twin = models.mlp(dtype=torch.bfloat16)
+    model, twin = model.to(device), models.mlp(dtype=torch.bfloat16).to(device)
+    window = [{key: value.to(device) for key, value in mb.items()} for mb in window]
     expected = _by_hand(twin, window)
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, **options)
     Accumulator(model, adamw, accum_dtype="float32").step(window, models.mlp_loss, models.count_rows)
