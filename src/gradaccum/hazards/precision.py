@@ -42,7 +42,7 @@ def precision_findings(model: nn.Module, k: int) -> list[Finding]:
             explanation=f"{int(figures['parameters'])} parameters hold {name} gradients; torch adds each "
             f"micro-batch's gradient into .grad in that dtype, rounding the growing sum {k} times: about "
             f"{extra:.1e} relative error on top of the model's own (root-sum-square; 0.15 * eps * sqrt(k), "
-            "measured 1.83x the k=1 error at k=64 on a bf16 GPT-2).",
+            "about 1.8x the k=1 error at k=64 on a bf16 GPT-2).",
             fix="Accumulate in float32: Accumulator(..., accum_dtype=torch.float32) or "
             "AccumConfig(accum_dtype='float32'); the sum is rounded once before the step, at 4 bytes "
             "per parameter while accumulating (FSDP2: MixedPrecisionPolicy(reduce_dtype=torch.float32)).",
