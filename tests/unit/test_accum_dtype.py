@@ -168,13 +168,10 @@ def test_float16_parameters_with_a_grad_scaler() -> None:
 
 def test_wider_parameters_are_left_alone() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(5, 4).to(torch.bfloat16), torch.nn.Linear(4, 3))
-    wide = wide_gradients("float32", list(model.parameters()), kind="local", synced=model, policy="defer",
-                          layout=None, pipeline=False)  # fmt: skip
-    assert wide is not None
+    wide = wide_gradients("float32", model, "local", "defer", None, False)
     assert [p.dtype for p in wide.params] == [torch.bfloat16, torch.bfloat16]
     assert wide.buffer_bytes == (5 * 4 + 4) * 4
-    assert wide_gradients(None, list(model.parameters()), kind="local", synced=model, policy="defer",
-                          layout=None, pipeline=False) is None  # fmt: skip
+    assert wide_gradients(None, model, "local", "defer", None, False).params == []
 
 
 @pytest.mark.parametrize(
@@ -184,8 +181,7 @@ def test_wider_parameters_are_left_alone() -> None:
 def test_pipelines_and_meshes_without_fsdp2_are_refused(options: dict[str, Any], reason: str) -> None:
     model = models.mlp(dtype=torch.bfloat16)
     with pytest.raises(ConfigError, match=f"accum_dtype='float32' is not supported with .*{reason}"):
-        wide_gradients("float32", list(model.parameters()), kind="local", synced=model, policy="defer",
-                       **options)  # fmt: skip
+        wide_gradients("float32", model, "local", "defer", options["layout"], options["pipeline"])
 
 
 def test_scan_warns_of_bf16_accumulation_with_the_expected_error_and_the_fix() -> None:

@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.distributed import GradBucket
 
 from gradaccum.distributed import dist
+from gradaccum.distributed.sync import sync_module
 from gradaccum.errors import ConfigError
 from gradaccum.precision import accum_dtype_name, accum_dtype_of, dtype_name
 
@@ -217,26 +218,27 @@ class WideGradients:
 
 def wide_gradients(
     accum_dtype: str | torch.dtype | None,
-    params: Sequence[torch.Tensor],
-    *,
+    model: nn.Module,
     kind: str,
-    synced: nn.Module,
     policy: str,
     layout: Any,
     pipeline: bool,
-) -> WideGradients | None:
-    """What the engine needs for ``accum_dtype``: ``None`` when nothing is to widen (unset, no
-    narrower parameter, or FSDP2 doing it by its policy); refuses what it cannot do exactly."""
+) -> WideGradients:
+    """What the engine needs for ``accum_dtype`` (narrow gradients summed wide, rounded once before
+    the step): one with no parameters, whose calls do nothing, when nothing is to widen (unset, no
+    narrower parameter, or FSDP2 doing it by its policy); refuses what it cannot do exactly.
+    ``kind``/``policy``/``layout``: the engine's."""
     name = accum_dtype_name(accum_dtype)  # AccumConfig stores the name; a dtype is named here too
     if name is None:
-        return None
+        return WideGradients([], torch.float32, None)
     dtype = accum_dtype_of(name)
+    synced = sync_module(model)  # the DDP/FSDP module, also inside a forward wrapper
     if kind == "fsdp2":
         check_fsdp2_reduce_dtype(synced, dtype, policy)
-        return None
-    narrow = _narrow(params, dtype)
+        return WideGradients([], dtype, None)
+    narrow = _narrow(list(model.parameters()), dtype)
     if not narrow:
-        return None
+        return WideGradients([], dtype, None)
     where = (
         "a pipeline schedule (its stages' backwards and reductions run inside the schedule)"
         if pipeline

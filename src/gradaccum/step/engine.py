@@ -204,17 +204,13 @@ class WindowEngine:
         if balance is not None:
             self.parts["balance"] = balance
         self._compiles = CompileCounter()  # graphs torch.compile builds during a window
-        # accum_dtype: narrow gradients summed wide, rounded once before the step (step/accum_dtype.py)
-        self._wide = wide_gradients(
-            config.accum_dtype, self._params, kind=self.kind, synced=self._synced, policy=self._policy,
-            layout=self.layout, pipeline=pipeline,
-        )  # fmt: skip
+        self._wide = wide_gradients(config.accum_dtype, model, self.kind, self._policy, self.layout, pipeline)
         self.meetings = Meetings(
             self.kind,
             agree_on_failure=config.agree_on_failure,
             group=dp_group,
             reduced_params=self._reduced_params,
-            backward=self.backward if self._wide is None else self._wide.around_sync(self.backward),
+            backward=self._wide.around_sync(self.backward),
             zero_grad=self.zero_grad,
             zero=self._zero,
         )
@@ -231,7 +227,7 @@ class WindowEngine:
             layout=self.layout,
             uniform=self._uniform,
             device=self.device,
-            before_step=None if self._wide is None else self._wide.narrow,
+            before_step=self._wide.narrow,
         )
         # DDP that broadcasts buffers in a window's first forward (the same on every rank)
         self._broadcasts = broadcasts_buffers(self._synced, self.kind)
@@ -597,8 +593,7 @@ class WindowEngine:
         if self._params_outside_optimizer:  # e.g. frozen or separately optimized parameters
             for p in self._params_outside_optimizer:
                 p.grad = None
-        if self._wide is not None:  # a window begins: its gradients arrive in accum_dtype
-            self._wide.widen()
+        self._wide.widen()  # a window begins: gradients arrive in accum_dtype (a no-op without it)
 
     def emit(self, event: str, index: int) -> None:
         if self.observer is not None:
