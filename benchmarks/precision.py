@@ -107,7 +107,7 @@ def _rank(rank: int, world: int, port: int, n: int, out: Any) -> None:
             probe = GradientProbe(ddp.parameters())
             acc = Accumulator(ddp, probe, accum_dtype=accum_dtype)
             acc.step(split(batch, n // k), loss_fn, count_fn)
-            wide = acc._engine._wide
+            wide = acc._engine.update.wide
             # plain lists: a tensor would travel as a shared-memory handle this process closes
             rows[(accum_dtype, k)] = (
                 _flat(probe.seen).tolist(),

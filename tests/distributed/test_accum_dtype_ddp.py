@@ -44,7 +44,7 @@ def _ddp_gradient(rank: int, world: int, accum_dtype: str | None) -> dict[str, A
     half = SEQUENCES // world
     mine = rank_slice(padded_sequences(), [0, half, SEQUENCES], rank)
     acc.step(split(cast(mine, torch.bfloat16), half // PER_RANK_K), gpt2_loss, gpt2_count)
-    wide = acc._engine._wide  # the hook's byte count: what the synchronizing all-reduce carried
+    wide = acc._engine.update.wide  # the hook's byte count: what the synchronizing all-reduce carried
     return {
         "grad": torch.cat([g.reshape(-1) for g in probe.seen]),
         "reduced_bytes": None if wide is None else wide.reduced_bytes,

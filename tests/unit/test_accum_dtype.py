@@ -94,6 +94,18 @@ def test_the_optimizer_sees_the_float32_sum_rounded_once() -> None:
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())  # what the optimizer took
 
 
+def test_every_window_accumulates_wide_again_after_the_rounding() -> None:
+    # the step rounds .grad to bf16; the next window's first forward widens it again
+    model, window = _mlp_window(torch.bfloat16)
+    expected = _by_hand(model, window)
+    probe = GradientProbe(model.parameters())
+    acc = Accumulator(model, probe, accum_dtype="float32")
+    for _ in range(3):  # the probe changes no weight: every window must give the same gradient
+        acc.step(window, models.mlp_loss, models.count_rows)
+        for seen, want in zip(probe.seen, expected, strict=True):
+            assert torch.equal(seen, want.double())
+
+
 def test_clipping_and_the_norm_read_the_float32_sum() -> None:
     model, window = _mlp_window(torch.bfloat16)
     n = sum(int(models.count_rows(mb)) for mb in window)

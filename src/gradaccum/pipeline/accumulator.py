@@ -111,6 +111,12 @@ class PipelineAccumulator(EngineFace):
                 "the whole window at once, so the window is in hand and counted up front anyway. "
                 "Leave scaling at 'pre'."
             )
+        if config is not None and config.accum_dtype is not None:
+            raise ConfigError(
+                f"AccumConfig.accum_dtype={config.accum_dtype!r} is not supported with a pipeline schedule: "
+                "its stages' backwards and reductions run inside the schedule, where the float32 sum "
+                "cannot reach the optimizer unchanged. Leave accum_dtype=None."
+            )
         self._engine = WindowEngine(
             modules,
             optimizer,

@@ -99,12 +99,18 @@ def check_fsdp2_reduce_dtype(module: nn.Module, dtype: torch.dtype, policy: str)
 class WideGradients:
     """``accum_dtype`` for the parameters narrower than it (one process and DDP).
 
-    The engine calls :meth:`widen` whenever gradients are cleared (a window begins), wraps its
-    synchronizing backward with :meth:`around_sync` (DDP) and calls :meth:`narrow` just before the
-    optimizer step.
+    The optimizer update calls :meth:`narrow` just before the optimizer step, the model's next
+    forward :meth:`widen` (a forward pre-hook), and the engine wraps its synchronizing backward with
+    :meth:`around_sync` (DDP).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], dtype: torch.dtype, ddp: nn.Module | None) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        ddp: nn.Module | None,
+        model: nn.Module | None,
+    ) -> None:
         self.params = list(params)
         self.dtype = dtype
         self._stashed: dict[int, torch.Tensor] = {}  # a parameter's float32 sum, set aside for a sync
@@ -123,7 +129,14 @@ class WideGradients:
                     f"communication hook, and DDP takes one: {exc}. Drop the model's hook "
                     "(bf16/fp16 compression hooks round what accum_dtype keeps) or accum_dtype."
                 ) from exc
+        self._narrowed = True
         self.widen()
+        if self.params and model is not None:  # the next window's first forward widens again
+            model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._narrowed:
+            self.widen()
 
     @property
     def buffer_bytes(self) -> int:
@@ -132,6 +145,7 @@ class WideGradients:
 
     def widen(self) -> None:
         """Gradients arrive in ``accum_dtype`` from here on (a gradient already there is widened)."""
+        self._narrowed = False
         dtype = self.dtype
         for p in self.params:
             if p.grad_dtype != dtype:
@@ -143,6 +157,7 @@ class WideGradients:
 
     def narrow(self) -> None:
         """Round each wide sum once into its parameter's dtype: what every optimizer accepts."""
+        self._narrowed = True
         for p in self.params:
             grad = p.grad
             p.grad = None
@@ -230,15 +245,15 @@ def wide_gradients(
     ``kind``/``policy``/``layout``: the engine's."""
     name = accum_dtype_name(accum_dtype)  # AccumConfig stores the name; a dtype is named here too
     if name is None:
-        return WideGradients([], torch.float32, None)
+        return WideGradients([], torch.float32, None, None)
     dtype = accum_dtype_of(name)
     synced = sync_module(model)  # the DDP/FSDP module, also inside a forward wrapper
     if kind == "fsdp2":
         check_fsdp2_reduce_dtype(synced, dtype, policy)
-        return WideGradients([], dtype, None)
+        return WideGradients([], dtype, None, None)
     narrow = _narrow(list(model.parameters()), dtype)
     if not narrow:
-        return WideGradients([], dtype, None)
+        return WideGradients([], dtype, None, None)
     where = (
         "a pipeline schedule (its stages' backwards and reductions run inside the schedule)"
         if pipeline
@@ -254,4 +269,4 @@ def wide_gradients(
             "sum could not reach the optimizer unchanged. Use one process, DDP, or FSDP2 with "
             "MixedPrecisionPolicy(reduce_dtype=torch.float32), or leave accum_dtype=None."
         )
-    return WideGradients(narrow, dtype, synced if kind == "ddp" else None)
+    return WideGradients(narrow, dtype, synced if kind == "ddp" else None, model)

@@ -64,7 +64,6 @@ from gradaccum.mesh.step import (
     replicas_agree,
 )
 from gradaccum.moe.balancer import WindowBalance
-from gradaccum.step.accum_dtype import wide_gradients
 from gradaccum.step.agreement import (
     LocalFailure,
     back_off_scaler,
@@ -204,16 +203,6 @@ class WindowEngine:
         if balance is not None:
             self.parts["balance"] = balance
         self._compiles = CompileCounter()  # graphs torch.compile builds during a window
-        self._wide = wide_gradients(config.accum_dtype, model, self.kind, self._policy, self.layout, pipeline)
-        self.meetings = Meetings(
-            self.kind,
-            agree_on_failure=config.agree_on_failure,
-            group=dp_group,
-            reduced_params=self._reduced_params,
-            backward=self._wide.around_sync(self.backward),
-            zero_grad=self.zero_grad,
-            zero=self._zero,
-        )
         self.settler = WindowSettler(
             self.device, self.dp_group, layout=self.layout, noise=self._noise, scaler=scaler
         )
@@ -227,7 +216,15 @@ class WindowEngine:
             layout=self.layout,
             uniform=self._uniform,
             device=self.device,
-            before_step=self._wide.narrow,
+        )
+        self.meetings = Meetings(
+            self.kind,
+            agree_on_failure=config.agree_on_failure,
+            group=dp_group,
+            reduced_params=self._reduced_params,
+            backward=self.update.wide.around_sync(self.backward),
+            zero_grad=self.zero_grad,
+            zero=self._zero,
         )
         # DDP that broadcasts buffers in a window's first forward (the same on every rank)
         self._broadcasts = broadcasts_buffers(self._synced, self.kind)
@@ -593,7 +590,6 @@ class WindowEngine:
         if self._params_outside_optimizer:  # e.g. frozen or separately optimized parameters
             for p in self._params_outside_optimizer:
                 p.grad = None
-        self._wide.widen()  # a window begins: gradients arrive in accum_dtype (a no-op without it)
 
     def emit(self, event: str, index: int) -> None:
         if self.observer is not None:

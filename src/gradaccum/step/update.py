@@ -10,13 +10,14 @@ engine with the layout it found and answers the same way every window.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from gradaccum.distributed import dist
 from gradaccum.mesh.reduction import clip_mesh_grads_, local_squares
+from gradaccum.step.accum_dtype import wide_gradients
 from gradaccum.step.config import AccumConfig
 from gradaccum.step.norms import clip_grads_, nonfinite_flag, total_norm
 
@@ -38,7 +39,6 @@ class OptimizerUpdate:
         layout: Any,
         uniform: bool,
         device: torch.device,
-        before_step: Callable[[], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.config = config
@@ -52,7 +52,8 @@ class OptimizerUpdate:
         self.norm_holders = layout.world // layout.pp if layout is not None else 1
         self.one = torch.ones(1, dtype=torch.float32, device=device)  # the fused check's unit scale
         self.device = device
-        self.before_step = before_step  # accum_dtype: the wide sums rounded once, after clipping
+        # accum_dtype: narrow gradients summed wide (step/accum_dtype.py), rounded once after clipping
+        self.wide = wide_gradients(config.accum_dtype, synced, kind, config.policy, layout, pipeline=False)
 
     def gradient_check(
         self, grads: list[torch.Tensor], *, noise: bool
@@ -113,8 +114,7 @@ class OptimizerUpdate:
                 clip_mesh_grads_(grads, config.max_grad_norm, norm)
             else:
                 clip_grads_(params, config.max_grad_norm, norm)
-        if self.before_step is not None:
-            self.before_step()
+        self.wide.narrow()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
