@@ -9,9 +9,13 @@ re-export them where their users look.
 
 from __future__ import annotations
 
+import sys
 from typing import Literal, get_args
 
+from gradaccum.errors import ConfigError
+
 __all__ = [
+    "ACCUM_DTYPES",
     "DEFAULT_SEQ_LEN",
     "DEFAULT_TEXT_FIELD",
     "DEFAULT_WORKLOAD",
@@ -23,6 +27,7 @@ __all__ = [
     "VERIFY_DTYPES",
     "Normalization",
     "Precision",
+    "accum_dtype_name",
 ]
 
 Precision = Literal["float64", "float32", "bfloat16", "float16"]
@@ -51,3 +56,30 @@ DEFAULT_SEQ_LEN = 128
 """Tokens per row of an ``hf:`` workload when its spec names none."""
 DEFAULT_TEXT_FIELD = "text"
 """The ``.jsonl`` field an ``hf:`` workload reads each document's text from."""
+
+
+ACCUM_DTYPES = ("float32", "float64")
+"""The dtypes gradients may be accumulated in (``AccumConfig.accum_dtype``): wider than bf16/fp16."""
+
+
+def accum_dtype_name(value: object) -> str | None:
+    """``AccumConfig.accum_dtype`` as a dtype name: ``torch.float32`` and ``"float32"`` alike.
+
+    Anything else (``"int8"``, ``torch.bfloat16``, a typo) is refused here, when the config is
+    built: an accumulation dtype no wider than bf16 would add the rounding it exists to remove.
+    torch is not imported (``--help`` builds configs without it): a ``torch.dtype`` can only be
+    given once torch is loaded, so it is looked up in ``sys.modules``.
+    """
+    if value is None:
+        return None
+    torch = sys.modules.get("torch")
+    name = value
+    if torch is not None and isinstance(value, torch.dtype):
+        name = str(value).removeprefix("torch.")
+    if isinstance(name, str) and name in ACCUM_DTYPES:
+        return name
+    raise ConfigError(
+        f"AccumConfig.accum_dtype must be None (accumulate in the parameters' dtype), torch.float32 "
+        f"or 'float32' (or float64), got {value!r}: gradients are accumulated in a dtype wider "
+        "than bfloat16/float16 parameters, never a narrower or integer one"
+    )

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum.errors import ConfigError
-from gradaccum.names import PRECISIONS, Precision
+from gradaccum.names import ACCUM_DTYPES, PRECISIONS, Precision, accum_dtype_name
 
 __all__ = [
     "ACCUM_DTYPES",
@@ -79,28 +78,6 @@ def make_scaler(precision: str, device: torch.device | str) -> Any:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float64`` -> ``"float64"``."""
     return str(dtype).removeprefix("torch.")
-
-
-ACCUM_DTYPES = ("float32", "float64")
-"""The dtypes gradients may be accumulated in (``AccumConfig.accum_dtype``): wider than bf16/fp16."""
-
-
-def accum_dtype_name(value: object) -> str | None:
-    """``AccumConfig.accum_dtype`` as a dtype name: ``torch.float32`` and ``"float32"`` alike.
-
-    Anything else (``"int8"``, ``torch.bfloat16``, a typo) is refused here, when the config is
-    built: an accumulation dtype no wider than bf16 would add the rounding it exists to remove.
-    """
-    if value is None:
-        return None
-    name = dtype_name(value) if isinstance(value, torch.dtype) else value
-    if isinstance(name, str) and name in ACCUM_DTYPES:
-        return name
-    raise ConfigError(
-        f"AccumConfig.accum_dtype must be None (accumulate in the parameters' dtype), torch.float32 "
-        f"or 'float32' (or float64), got {value!r}: gradients are accumulated in a dtype wider "
-        "than bfloat16/float16 parameters, never a narrower or integer one"
-    )
 
 
 def accum_dtype_of(name: str) -> torch.dtype:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
-from gradaccum.precision import accum_dtype_name
+from gradaccum.names import accum_dtype_name
 from gradaccum.values import require_int
 
 if TYPE_CHECKING:
