@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers.launcher import run_ranks, values
 from tests.mesh import models
-from tests.mesh.test_pipeline import STAGES, Stage, count_fn, full_model, loss_fn
+from tests.mesh.test_pipeline import build_stages, count_fn, full_model, loss_fn
 
 pytestmark = pytest.mark.distributed
 
@@ -87,29 +87,9 @@ def _ddp_on_a_tp_mesh(group: str) -> dict[str, Any]:
 
 def _pipeline(schedule: str, lengths: tuple[int, int], wrap: str = "ddp") -> dict[str, Any]:
     """pp=2 x data=2; data replica d holds ``lengths[d]`` one-row micro-batches."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from gradaccum.pipeline import PipelineAccumulator
 
-    data_dim = "dp_shard" if wrap == "fsdp2" else "dp_replicate"
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", data_dim))
-    p, d = mesh.get_coordinate()
-    layout = STAGES[4 if schedule == "Interleaved1F1B" else 2]
-    parts = full_model()
-    stages, params = [], []
-    for i in [i for i in range(len(layout)) if i % 2 == p]:
-        module: torch.nn.Module = Stage(parts, layout[i])
-        if wrap == "fsdp2":
-            fully_shard(module, mesh=mesh[data_dim])
-        else:
-            module = DDP(module, process_group=mesh[data_dim].get_group())
-        params += list(module.parameters())
-        stages.append(
-            PipelineStage(module, i, len(layout), torch.device("cpu"), group=mesh["pp"].get_group())
-        )
+    mesh, d, stages, params = build_stages(schedule, wrap)
     holder = torch.nn.ModuleList([s.submod for s in stages])
     data = models.batch(sum(lengths), seed=11)
     start = sum(lengths[:d])
