@@ -91,9 +91,11 @@ def final_params(result: TrainResult) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def train_from_runcard(card: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[Accumulator]:
-    """``gradaccum train --runcard card`` for two steps; the accumulators it built, to read their
-    configs (what the card fixed must reach the step, not only the records)."""
+def train_from_runcard(
+    card: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch, steps: int = 2
+) -> list[Accumulator]:
+    """``gradaccum train --runcard card`` for ``steps`` steps; the accumulators it built, to read
+    their configs (what the card fixed must reach the step, not only the records)."""
     built: list[Accumulator] = []
     from_config = Accumulator.from_config
 
@@ -102,5 +104,5 @@ def train_from_runcard(card: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatc
         return built[-1]
 
     monkeypatch.setattr(Accumulator, "from_config", spy)
-    assert main(["train", "--runcard", str(card), "--steps", "2", "--run-dir", str(run_dir)]) == 0
+    assert main(["train", "--runcard", str(card), "--steps", str(steps), "--run-dir", str(run_dir)]) == 0
     return built
