@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gradaccum.cli.main import main
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard, read_runcard, write_runcard
-from gradaccum.step.accumulator import Accumulator
 from gradaccum.step.config import AccumConfig
+from tests.train.common import train_from_runcard
 
 
 def test_a_run_card_records_accum_dtype_and_train_replays_it(
@@ -24,15 +23,7 @@ def test_a_run_card_records_accum_dtype_and_train_replays_it(
     accum = AccumConfig(accum_dtype="float32")
     write_runcard(RunCard(workload="gradaccum.examples:tiny_gpt", plan=plan, accum=accum), card)
     assert read_runcard(card).accum.accum_dtype == "float32"
-    built: list[Accumulator] = []
-    from_config = Accumulator.from_config
-
-    def spy(*args: Any, **kwargs: Any) -> Accumulator:
-        built.append(from_config(*args, **kwargs))
-        return built[-1]
-
-    monkeypatch.setattr(Accumulator, "from_config", spy)
-    assert main(["train", "--runcard", str(card), "--steps", "1", "--run-dir", str(tmp_path / "run")]) == 0
+    built = train_from_runcard(card, tmp_path / "run", monkeypatch, steps=1)
     assert [acc.config.accum_dtype for acc in built] == ["float32"]
     trained = json.loads((tmp_path / "run" / "runcard.json").read_text())
     assert trained["accum"]["accum_dtype"] == "float32"

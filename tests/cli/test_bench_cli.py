@@ -45,6 +45,12 @@ def sweep(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(captured.out)
 
 
+def two_rank_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
+    """``bench`` of the 2x2 row at global batch 8 on two gloo ranks, with ``extra`` arms."""
+    args = ["--dp", "2", "--global-batch", "8", "--configs", "2x2", *extra]
+    return sweep([*args, "--out-dir", str(tmp_path), *FAST], capsys)
+
+
 @pytest.mark.slow
 def test_bench_sweeps_every_factorization_with_every_figure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -93,9 +99,9 @@ def test_bench_sweeps_every_factorization_with_every_figure(
 def test_data_parallel_bench_counts_one_all_reduce_per_bucket_or_k(
     defer: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["--dp", "2", "--global-batch", "8", "--configs", "2x2", "--out-dir", str(tmp_path), *FAST]
-    args += ["--bucket-cap-mb", "0.01"]  # ~10 KiB buckets: the tiny GPT's 124 KiB of gradients fill several
-    data = sweep([*args, *([] if defer else ["--no-defer-sync"])], capsys)
+    # ~10 KiB buckets: the tiny GPT's 124 KiB of gradients fill several
+    buckets = ["--bucket-cap-mb", "0.01"]
+    data = two_rank_sweep(tmp_path, capsys, *buckets, *([] if defer else ["--no-defer-sync"]))
     (c,) = data["configs"]
     assert c["status"] == "ok", c["error"]
     assert c["label"] == "2x2x2" and c["dp"] == 2 and c["accum_steps"] == 2
@@ -178,8 +184,7 @@ def test_checkpointing_a_workload_without_blocks_exits_2(capsys: pytest.CaptureF
 def test_fsdp2_rows_come_in_pairs_with_deferral_on_and_off(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["--dp", "2", "--global-batch", "8", "--configs", "2x2", "--sharding", "fsdp2"]
-    data = sweep([*args, "--out-dir", str(tmp_path), *FAST], capsys)
+    data = two_rank_sweep(tmp_path, capsys, "--sharding", "fsdp2")
     deferred, every = data["configs"]
     assert (deferred["row_label"], every["row_label"]) == ("2x2x2 fsdp2", "2x2x2 fsdp2 no-defer")
     for c in (deferred, every):

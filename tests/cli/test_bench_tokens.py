@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gradaccum.cli.main import main
-from tests.cli.test_bench_cli import FAST, expected_tokens, sweep
+from tests.cli.test_bench_cli import FAST, expected_tokens, sweep, two_rank_sweep
 
 
 @pytest.mark.slow
@@ -34,8 +34,7 @@ def test_a_token_budget_is_one_more_row_at_the_same_global_batch(
 def test_a_token_budget_row_on_two_ranks_counts_the_whole_window(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["--dp", "2", "--global-batch", "8", "--configs", "2x2", "--max-tokens", "64"]
-    data = sweep([*args, "--out-dir", str(tmp_path), *FAST], capsys)
+    data = two_rank_sweep(tmp_path, capsys, "--max-tokens", "64")
     fixed, tokens = data["configs"]
     assert tokens["status"] == "ok", tokens["error"]
     assert tokens["label"] == "tokens<=64" and tokens["dp"] == 2

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from gradaccum.cli.main import main
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard, read_runcard, write_runcard
-from gradaccum.step.accumulator import Accumulator
 from gradaccum.step.config import AccumConfig
-from tests.train.common import one_thread
+from tests.train.common import one_thread, train_from_runcard
 
 
 @pytest.fixture(autouse=True)
@@ -32,15 +29,7 @@ def test_train_replays_window_batchnorm_statistics_from_the_run_card(
     write_runcard(RunCard(workload="gradaccum.examples:bn_cnn", plan=plan, accum=accum), card)
     assert json.loads(card.read_text())["accum"]["batchnorm_stats"] == "window"
     assert read_runcard(card).accum == accum
-    built: list[Accumulator] = []
-    from_config = Accumulator.from_config
-
-    def spy(*args: Any, **kwargs: Any) -> Accumulator:
-        built.append(from_config(*args, **kwargs))
-        return built[-1]
-
-    monkeypatch.setattr(Accumulator, "from_config", spy)
-    assert main(["train", "--runcard", str(card), "--steps", "2", "--run-dir", str(tmp_path / "run")]) == 0
+    built = train_from_runcard(card, tmp_path / "run", monkeypatch)
     assert [acc.config.batchnorm_stats for acc in built] == ["window"]
     trained = json.loads((tmp_path / "run" / "runcard.json").read_text())
     assert trained["accum"]["batchnorm_stats"] == "window"

@@ -19,9 +19,8 @@ from gradaccum.cli.main import main
 from gradaccum.examples import tiny_gpt
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard, write_runcard
-from gradaccum.step.accumulator import Accumulator
 from gradaccum.step.config import AccumConfig
-from tests.train.common import one_thread
+from tests.train.common import one_thread, train_from_runcard
 
 
 @pytest.fixture(autouse=True)
@@ -126,15 +125,7 @@ def test_a_post_scaling_runcard_trains_with_a_post_scaling_accumulator(
     write_runcard(
         RunCard(workload="gradaccum.examples:tiny_gpt", plan=plan, accum=AccumConfig(scaling="post")), card
     )
-    built: list[Accumulator] = []
-    from_config = Accumulator.from_config
-
-    def spy(*args: Any, **kwargs: Any) -> Accumulator:
-        built.append(from_config(*args, **kwargs))
-        return built[-1]
-
-    monkeypatch.setattr(Accumulator, "from_config", spy)
-    assert main(["train", "--runcard", str(card), "--steps", "2", "--run-dir", str(tmp_path / "run")]) == 0
+    built = train_from_runcard(card, tmp_path / "run", monkeypatch)
     assert "scaling post" in capsys.readouterr().out  # the start banner says what the card fixed
     assert [acc.config.scaling for acc in built] == ["post"]
     trained = json.loads((tmp_path / "run" / "runcard.json").read_text())

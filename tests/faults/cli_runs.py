@@ -30,6 +30,22 @@ EXACT = ["--precision", "float64", "--threads", "1", "--global-batch", "16", "--
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def train_argv(run_dir: Path, steps: int, *settings: str) -> list[str]:
+    """``train`` of the slow workload in float64 for ``steps`` windows into ``run_dir``; ``settings``
+    stand between the precision flags and ``--steps``, where a resume hint repeats them."""
+    return [
+        "train",
+        "--workload",
+        WORKLOAD,
+        *EXACT,
+        *settings,
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+    ]
+
+
 @dataclass
 class Run:
     """A started command: its process, and where its output goes."""

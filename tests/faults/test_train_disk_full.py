@@ -17,7 +17,6 @@ import pytest
 from gradaccum.cli.main import main
 from gradaccum.train.records import read_metrics
 from tests.faults.cli_runs import (
-    EXACT,
     WORKLOAD,
     assert_same_model,
     intact,
@@ -26,6 +25,7 @@ from tests.faults.cli_runs import (
     no_traceback,
     running,
     start,
+    train_argv,
 )
 
 pytestmark = [
@@ -43,22 +43,7 @@ def _limit_file_size() -> None:
 
 
 def _argv(run_dir: Path, steps: int) -> list[str]:
-    return [
-        "train",
-        "--workload",
-        WORKLOAD,
-        *EXACT,
-        "--warmup",
-        "1",
-        "--horizon",
-        "100",
-        "--steps",
-        str(steps),
-        "--checkpoint-every",
-        "2",
-        "--run-dir",
-        str(run_dir),
-    ]
+    return train_argv(run_dir, steps, "--warmup", "1", "--horizon", "100", "--checkpoint-every", "2")
 
 
 def test_a_checkpoint_that_does_not_fit_fails_clearly_and_keeps_the_previous_one(

@@ -30,6 +30,7 @@ from tests.faults.cli_runs import (
     running,
     start,
     steps_recorded,
+    train_argv,
     wait_until,
     windows_of,
 )
@@ -47,7 +48,7 @@ def test_first_signal_finishes_the_window_checkpoints_and_exits_with_the_schedul
     run_dir = tmp_path / "run"
     # an explicit schedule: the resumed run and the reference are shorter, and must follow the same
     schedule = ["--warmup", "2", "--horizon", "1000"]
-    argv = ["train", "--workload", WORKLOAD, *EXACT, *schedule, "--steps", "1000", "--run-dir", str(run_dir)]
+    argv = train_argv(run_dir, 1000, *schedule)
     with running(start(argv, tmp_path, env={"GRADACCUM_TEST_SLEEP": SLEEP_S})) as run:
         wait_until(lambda: steps_recorded(run_dir) >= 3, run, 120, "three trained windows")
         sent = run.signal(signum)

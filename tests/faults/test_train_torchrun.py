@@ -24,6 +24,7 @@ from tests.faults.cli_runs import (
     model_state,
     running,
     start,
+    train_argv,
     wait_until,
     windows_of,
 )
@@ -34,17 +35,7 @@ SCHEDULE = ["--warmup", "2", "--horizon", "1000"]
 
 
 def _argv(run_dir: Path, steps: int) -> list[str]:
-    return [
-        "train",
-        "--workload",
-        WORKLOAD,
-        *EXACT,
-        *SCHEDULE,
-        "--steps",
-        str(steps),
-        "--run-dir",
-        str(run_dir),
-    ]
+    return train_argv(run_dir, steps, *SCHEDULE)
 
 
 def test_a_rank_killed_mid_run_is_named_by_the_survivor_and_the_run_resumes_exactly(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers.launcher import run_ranks, values
 from tests.mesh import models
-from tests.mesh.test_pipeline import STAGES, Stage, count_fn, full_model, loss_fn
+from tests.mesh.test_pipeline import build_stages, count_fn, full_model, loss_fn
 
 pytestmark = pytest.mark.distributed
 
@@ -87,29 +87,9 @@ def _ddp_on_a_tp_mesh(group: str) -> dict[str, Any]:
 
 def _pipeline(schedule: str, lengths: tuple[int, int], wrap: str = "ddp") -> dict[str, Any]:
     """pp=2 x data=2; data replica d holds ``lengths[d]`` one-row micro-batches."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from gradaccum.pipeline import PipelineAccumulator
 
-    data_dim = "dp_shard" if wrap == "fsdp2" else "dp_replicate"
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", data_dim))
-    p, d = mesh.get_coordinate()
-    layout = STAGES[4 if schedule == "Interleaved1F1B" else 2]
-    parts = full_model()
-    stages, params = [], []
-    for i in [i for i in range(len(layout)) if i % 2 == p]:
-        module: torch.nn.Module = Stage(parts, layout[i])
-        if wrap == "fsdp2":
-            fully_shard(module, mesh=mesh[data_dim])
-        else:
-            module = DDP(module, process_group=mesh[data_dim].get_group())
-        params += list(module.parameters())
-        stages.append(
-            PipelineStage(module, i, len(layout), torch.device("cpu"), group=mesh["pp"].get_group())
-        )
+    mesh, d, stages, params = build_stages(schedule, wrap)
     holder = torch.nn.ModuleList([s.submod for s in stages])
     data = models.batch(sum(lengths), seed=11)
     start = sum(lengths[:d])
@@ -147,15 +127,22 @@ def ranks() -> list[dict[str, Any]]:
     return values(run_ranks(_edges_rank, world=4, timeout_s=300))
 
 
+def assert_refused_everywhere(ranks: list[dict[str, Any]], key: str, error: str, *phrases: str) -> None:
+    """Every rank refused scenario ``key`` with ``error`` naming each of ``phrases``, and no
+    parameter moved."""
+    for r in ranks:
+        got = r[key]
+        assert got["refused"].startswith(error), got
+        for phrase in phrases:
+            assert phrase in got["refused"], got["refused"]
+        assert not got["moved"]
+
+
 def test_fsdp2_divide_factor_on_the_root_only_is_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     """torch's set_gradient_divide_factor is not recursive: the blocks still average over 4 while
     the root sums. One scale cannot serve both (it was 0.25 off, block parameters at half)."""
-    for r in ranks:
-        got = r["fsdp root sums"]
-        assert got["refused"].startswith("ConfigError"), got
-        assert "blocks.0, blocks.1: divides by 4.0" in got["refused"]
-        assert "<root>: divides by 1.0" in got["refused"]
-        assert not got["moved"]
+    phrases = ("blocks.0, blocks.1: divides by 4.0", "<root>: divides by 1.0")
+    assert_refused_everywhere(ranks, "fsdp root sums", "ConfigError", *phrases)
 
 
 def test_fsdp2_factor_on_the_root_equal_to_the_blocks_is_exact(ranks: list[dict[str, Any]]) -> None:
@@ -167,11 +154,7 @@ def test_fsdp2_factor_on_the_root_equal_to_the_blocks_is_exact(ranks: list[dict[
 
 def test_ddp_over_the_world_on_a_tp_mesh_is_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     """DDP over all 4 ranks averages each data rank's gradient twice (its TP copies): ratio 2.0."""
-    for r in ranks:
-        got = r["tp ddp world"]
-        assert got["refused"].startswith("ConfigError"), got
-        assert "reduces over ranks [0, 1, 2, 3]" in got["refused"]
-        assert not got["moved"]
+    assert_refused_everywhere(ranks, "tp ddp world", "ConfigError", "reduces over ranks [0, 1, 2, 3]")
 
 
 def test_ddp_over_the_data_ranks_on_a_tp_mesh_is_exact(ranks: list[dict[str, Any]]) -> None:
@@ -193,11 +176,7 @@ def test_short_pipeline_windows_are_refused_before_the_schedule(
 ) -> None:
     """torch's schedules refuse these lengths with their own ValueError; the step names the rule
     and the numbers first, on every rank, with the parameters untouched."""
-    for r in ranks:
-        got = r[key]
-        assert got["refused"].startswith("ConfigError"), got
-        assert rule in got["refused"]
-        assert not got["moved"]
+    assert_refused_everywhere(ranks, key, "ConfigError", rule)
 
 
 def test_a_length_the_interleaved_schedule_runs_is_exact(ranks: list[dict[str, Any]]) -> None:
@@ -225,8 +204,4 @@ def test_pipeline_replicas_with_different_window_lengths_are_refused_not_hung() 
     """DDP stages, replicas of 3 and 2 micro-batches: it hung (one rank in DDP's bucket rebuild,
     the others in p2p). The count all-reduce compares the lengths; every rank refuses, naming them."""
     outcomes = values(run_ranks(_uneven_rank, world=4, timeout_s=150))
-    for r in outcomes:
-        got = r["uneven"]
-        assert got["refused"].startswith("WindowError"), got
-        assert "rank 0: 3, rank 1: 2, rank 2: 3, rank 3: 2" in got["refused"]
-        assert not got["moved"]
+    assert_refused_everywhere(outcomes, "uneven", "WindowError", "rank 0: 3, rank 1: 2, rank 2: 3, rank 3: 2")

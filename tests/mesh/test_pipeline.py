@@ -91,16 +91,13 @@ def _named(stage: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _pipeline(
-    schedule: str, wrap: str, clip: float | None, built_for: int | None = None, windows: int = 1
-) -> dict[str, Any]:
+def build_stages(schedule: str, wrap: str) -> tuple[Any, int, list[Any], list[nn.Parameter]]:
+    """The pp=2 x data=2 mesh, this rank's data coordinate, its stages wrapped in DDP or FSDP2
+    over the data dimension, and their parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import gradaccum
-    from gradaccum.pipeline import PipelineAccumulator
 
     data_dim = "dp_shard" if wrap == "fsdp2" else "dp_replicate"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", data_dim))
@@ -119,6 +116,16 @@ def _pipeline(
         stages.append(
             PipelineStage(module, i, len(layout), torch.device("cpu"), group=mesh["pp"].get_group())
         )
+    return mesh, d, stages, params
+
+
+def _pipeline(
+    schedule: str, wrap: str, clip: float | None, built_for: int | None = None, windows: int = 1
+) -> dict[str, Any]:
+    import gradaccum
+    from gradaccum.pipeline import PipelineAccumulator
+
+    mesh, d, stages, params = build_stages(schedule, wrap)
     optimizer = torch.optim.SGD(params, lr=models.LR, foreach=False)
     config = gradaccum.AccumConfig(max_grad_norm=clip)
     given: Any = schedule

@@ -8,11 +8,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from gradaccum.check.workload import Workload
+from gradaccum.cli.main import main
 from gradaccum.examples import tiny_gpt
 from gradaccum.plan import BatchPlan
+from gradaccum.step.accumulator import Accumulator
 from gradaccum.train import TrainConfig, TrainResult
 from gradaccum.train.schedule import ScheduleConfig
 
@@ -86,3 +89,20 @@ def final_params(result: TrainResult) -> dict[str, torch.Tensor]:
     """The model a run ended with, as its last checkpoint holds it (rank 0 writes the full state)."""
     state = torch.load(result.checkpoints[-1] / "state.pt", map_location="cpu", weights_only=True)
     return state["model"]
+
+
+def train_from_runcard(
+    card: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch, steps: int = 2
+) -> list[Accumulator]:
+    """``gradaccum train --runcard card`` for ``steps`` steps; the accumulators it built, to read
+    their configs (what the card fixed must reach the step, not only the records)."""
+    built: list[Accumulator] = []
+    from_config = Accumulator.from_config
+
+    def spy(*args: Any, **kwargs: Any) -> Accumulator:
+        built.append(from_config(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(Accumulator, "from_config", spy)
+    assert main(["train", "--runcard", str(card), "--steps", str(steps), "--run-dir", str(run_dir)]) == 0
+    return built

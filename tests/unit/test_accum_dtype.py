@@ -84,6 +84,17 @@ def _by_hand(model: torch.nn.Module, window: list[Any]) -> list[torch.Tensor]:
     return [s.to(torch.bfloat16) for s in sums]
 
 
+def _float32_sum(model: torch.nn.Module, window: list[Any]) -> list[torch.Tensor]:
+    """Each micro-batch's gradient of loss x 1/N, summed in float32 in window order (not rounded)."""
+    n = sum(int(models.count_rows(mb)) for mb in window)
+    wide = [torch.zeros(p.shape) for p in model.parameters()]
+    for mb in window:
+        grads = torch.autograd.grad(models.mlp_loss(model, mb) * (1.0 / n), list(model.parameters()))
+        for s, g in zip(wide, grads, strict=True):
+            s.add_(g.float())
+    return wide
+
+
 def test_the_optimizer_sees_the_float32_sum_rounded_once() -> None:
     model, window = _mlp_window(torch.bfloat16)
     expected = _by_hand(model, window)
@@ -108,12 +119,7 @@ def test_every_window_accumulates_wide_again_after_the_rounding() -> None:
 
 def test_clipping_and_the_norm_read_the_float32_sum() -> None:
     model, window = _mlp_window(torch.bfloat16)
-    n = sum(int(models.count_rows(mb)) for mb in window)
-    wide = [torch.zeros(p.shape) for p in model.parameters()]
-    for mb in window:
-        grads = torch.autograd.grad(models.mlp_loss(model, mb) * (1.0 / n), list(model.parameters()))
-        for s, g in zip(wide, grads, strict=True):
-            s.add_(g.float())
+    wide = _float32_sum(model, window)
     want = float(torch.linalg.vector_norm(torch.cat([s.reshape(-1) for s in wide])))
     probe = GradientProbe(model.parameters())
     result = Accumulator(model, probe, accum_dtype="float32", max_grad_norm=want / 2).step(
@@ -166,12 +172,7 @@ def test_float16_parameters_with_a_grad_scaler() -> None:
         window, models.mlp_loss, models.count_rows
     )
     assert result.applied
-    n = sum(int(models.count_rows(mb)) for mb in window)
-    wide = [torch.zeros(p.shape) for p in twin.parameters()]
-    for mb in window:
-        grads = torch.autograd.grad(models.mlp_loss(twin, mb) * (1.0 / n), list(twin.parameters()))
-        for s, g in zip(wide, grads, strict=True):
-            s.add_(g.float())
+    wide = _float32_sum(twin, window)
     # the scale 2**8 is a power of two: scaling and unscaling are exact unless a float16 micro-batch
     # gradient leaves the normal range; the result is the float32 sum rounded once to float16
     for seen, want in zip(probe.seen, wide, strict=True):

@@ -171,24 +171,23 @@ class WindowBatchNorm:
 
     def discard(self) -> None:
         """Close the window without an update: the buffers go back to the window's start."""
-        if not self.open:
-            return
-        self.open = False
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.restore()
-                layer.reset()
+        self._close(update=False)
 
     def apply(self) -> None:
         """Close the window with one update per layer that ran in training mode, from its pooled
         moments (every rank's after :meth:`receive`)."""
+        self._close(update=True)
+
+    def _close(self, *, update: bool) -> None:
+        """Restore every layer's buffers to the window's start, then (``update``) take its one
+        update from the pooled moments; a closed window is left alone."""
         if not self.open:
             return
         self.open = False
         with torch.no_grad():
             for layer in self.layers:
                 layer.restore()
-                moments = layer.moments()
+                moments = layer.moments() if update else None
                 if moments is not None and moments[0] > 0:
                     _update(layer.module, *moments)
                 layer.reset()
