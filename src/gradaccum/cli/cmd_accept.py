@@ -21,18 +21,20 @@ from gradaccum.cli.common import (
     EXIT_FAILED,
     EXIT_INCONCLUSIVE,
     EXIT_OK,
+    Flag,
+    add_command,
+    add_flags,
     add_measure_options,
     console,
     escape,
-    finish_launching,
     int_at_least,
     make_launching,
     mark,
     measure_settings,
+    measuring,
     number_above,
     parse_plan,
     parse_size,
-    progress_bar,
     refuse_what_cannot_fit,
     resolve_device,
     resolve_dp,
@@ -40,7 +42,7 @@ from gradaccum.cli.common import (
     torchrun_leader,
     workload_spec,
 )
-from gradaccum.cli.heartbeat import Heartbeat, progress_stage
+from gradaccum.cli.heartbeat import Heartbeat
 from gradaccum.errors import BenchError, PlanError
 from gradaccum.plan import BatchPlan
 from gradaccum.step.config import SCALINGS
@@ -66,10 +68,11 @@ def _norm(text: str) -> float | None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    add_command(
+        subparsers,
         "accept",
-        help="decide whether to adopt an accumulation change (the main job)",
-        description="Accept or refuse a change of (micro-batch x accumulation) at a fixed global batch: "
+        "decide whether to adopt an accumulation change (the main job)",
+        "Accept or refuse a change of (micro-batch x accumulation) at a fixed global batch: "
         "float64 equivalence of both partitionings (with a denominator audit), production-precision "
         "traces, memory from the tensors, paired throughput runs (>= 3, both configurations in one "
         "process, alternating in blocks), a verdict with every criterion and a confidence interval "
@@ -78,24 +81,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "verdict, 1 an equivalence check failed, 2 bad input, 3 inconclusive. Each arm may also set "
         "its gradient scaling (--baseline-scaling, --candidate-scaling: pre or post), so that "
         "pre- and post-scaling are compared as two candidates.",
+        _add_options,
+        run,
     )
-    p.add_argument(
-        "--baseline", default=DEFAULT_BASELINE, help=f"MICROxACCUM in use (default {DEFAULT_BASELINE})"
-    )
-    p.add_argument(
-        "--candidate",
-        default=None,
-        help=f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same plan and scaling as the baseline "
-        "checks the noise",
-    )
-    p.add_argument(
-        "--candidate-max-tokens",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="instead of --candidate: micro-batches by a token budget of N (gradaccum.split_by_tokens: "
-        "sorted by length, at most N tokens each, balanced across ranks) at the baseline's global batch; "
-        "N = the baseline's micro-batch x the longest row bounds the same activations (default: none)",
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_flags(
+        p,
+        Flag("--baseline", None, None, f"MICROxACCUM in use (default {DEFAULT_BASELINE})", DEFAULT_BASELINE),
+        Flag(
+            "--candidate",
+            None,
+            None,
+            f"MICROxACCUM proposed (default {DEFAULT_CANDIDATE}); the same plan and scaling as the baseline "
+            "checks the noise",
+        ),
+        Flag(
+            "--candidate-max-tokens",
+            "N",
+            int_at_least(1),
+            "instead of --candidate: micro-batches by a token budget of N (gradaccum.split_by_tokens: "
+            "sorted by length, at most N tokens each, balanced across ranks) at the baseline's global batch; "
+            "N = the baseline's micro-batch x the longest row bounds the same activations (default: none)",
+        ),
     )
     scaling = (
         "gradient scaling: pre (count the window before its first backward) or post (stream it, scale "
@@ -109,70 +118,80 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"the candidate's {scaling}. post with --candidate equal to --baseline compares the two "
         "modes at one plan",
     )
-    p.add_argument(
-        "--margin",
-        type=number_above(0.0, inclusive=True),
-        default=0.03,
-        help="required median throughput gain (default 0.03 = 3%%)",
-    )
-    p.add_argument(
-        "--trace-steps",
-        type=int_at_least(1),
-        default=8,
-        help="updates in the production-precision trace comparison (default 8)",
-    )
-    p.add_argument(
-        "--block-updates",
-        type=int_at_least(1),
-        default=5,
-        help="updates per block of a paired run; --steps / this many blocks alternate (default 5)",
-    )
-    p.add_argument(
-        "--max-grad-norm",
-        type=_norm,
-        default=1.0,
-        help="clip each update's gradient as training will (default 1.0, as gradaccum train; 0: off)",
-    )
-    p.add_argument(
-        "--max-consecutive-skips",
-        type=int_at_least(1),
-        default=10,
-        help="the skip limit training will use, recorded in the run card (default 10)",
-    )
-    p.add_argument(
-        "--memory-budget",
-        default=None,
-        help="e.g. 2GiB: name the largest micro-batch that fits, or why none can (default: none)",
+    add_flags(
+        p,
+        Flag(
+            "--margin",
+            None,
+            number_above(0.0, inclusive=True),
+            "required median throughput gain (default 0.03 = 3%%)",
+            0.03,
+        ),
+        Flag(
+            "--trace-steps",
+            None,
+            int_at_least(1),
+            "updates in the production-precision trace comparison (default 8)",
+            8,
+        ),
+        Flag(
+            "--block-updates",
+            None,
+            int_at_least(1),
+            "updates per block of a paired run; --steps / this many blocks alternate (default 5)",
+            5,
+        ),
+        Flag(
+            "--max-grad-norm",
+            None,
+            _norm,
+            "clip each update's gradient as training will (default 1.0, as gradaccum train; 0: off)",
+            1.0,
+        ),
+        Flag(
+            "--max-consecutive-skips",
+            None,
+            int_at_least(1),
+            "the skip limit training will use, recorded in the run card (default 10)",
+            10,
+        ),
+        Flag(
+            "--memory-budget",
+            None,
+            None,
+            "e.g. 2GiB: name the largest micro-batch that fits, or why none can (default: none)",
+        ),
     )
     q = p.add_argument_group(
         "quality run",
         "train baseline and candidate from several seeds and compare their final evaluation loss "
         "(the representative quality run; needed when scan finds BatchNorm, random layers or MoE)",
     )
-    q.add_argument(
-        "--quality-steps",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="train each configuration N updates per seed with production settings (default: no quality run)",
-    )
-    q.add_argument(
-        "--seeds",
-        type=int_at_least(2),
-        default=3,
-        metavar="S",
-        help="seeds per configuration of the quality run, from --seed on (default 3; an interval needs 2)",
-    )
-    q.add_argument(
-        "--quality-eval-examples",
-        type=int_at_least(1),
-        default=64,
-        metavar="N",
-        help="held-out examples of each quality run's final evaluation (default 64)",
+    add_flags(
+        q,
+        Flag(
+            "--quality-steps",
+            "N",
+            int_at_least(1),
+            "train each configuration N updates per seed with production settings (default: no quality run)",
+        ),
+        Flag(
+            "--seeds",
+            "S",
+            int_at_least(2),
+            "seeds per configuration of the quality run, from --seed on (default 3; an interval needs 2)",
+            3,
+        ),
+        Flag(
+            "--quality-eval-examples",
+            "N",
+            int_at_least(1),
+            "held-out examples of each quality run's final evaluation (default 64)",
+            64,
+        ),
     )
     p.add_argument("--require-adopt", action="store_true", help="exit 1 unless the verdict is ADOPT")
     add_measure_options(p, steps=50, min_runs=3)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,18 +225,15 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     beat.stage(f"measuring: 2 memory probes and {settings.runs} paired runs, each a fresh process")
     env = environment(device)
     launching = make_launching(dp, args.timeout)
-    try:
-        with progress_bar(args.progress and launching.leader) as on_progress:
-            result = run_accept(
-                spec,
-                launching.launch,
-                workload=workload,
-                environment=env,
-                equivalence=equivalence,
-                on_progress=progress_stage(beat, on_progress),
-            )
-    finally:
-        finish_launching(launching)
+    with measuring(launching, progress=args.progress, beat=beat) as on_progress:
+        result = run_accept(
+            spec,
+            launching.launch,
+            workload=workload,
+            environment=env,
+            equivalence=equivalence,
+            on_progress=on_progress,
+        )
     verdict = result.verdict
     code = EXIT_OK
     if not result.equivalence_passed or (args.require_adopt and not verdict.adopt):

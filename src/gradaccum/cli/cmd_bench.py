@@ -9,17 +9,19 @@ from typing import TYPE_CHECKING
 from gradaccum.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    Flag,
+    add_command,
+    add_flags,
     add_measure_options,
     check_output_folder,
     console,
     escape,
-    finish_launching,
     int_at_least,
     make_launching,
     measure_settings,
+    measuring,
     parse_plan,
     parse_size,
-    progress_bar,
     refuse_what_cannot_fit,
     resolve_device,
     resolve_dp,
@@ -27,7 +29,7 @@ from gradaccum.cli.common import (
     torchrun_leader,
     workload_spec,
 )
-from gradaccum.cli.heartbeat import Heartbeat, progress_stage
+from gradaccum.cli.heartbeat import Heartbeat
 from gradaccum.errors import PlanError
 
 if TYPE_CHECKING:  # --help imports no torch
@@ -37,77 +39,81 @@ if TYPE_CHECKING:  # --help imports no torch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    add_command(
+        subparsers,
         "bench",
-        help="measure every micro-batch x accumulation factorization of a global batch",
-        description="At a fixed global batch, measure each (micro-batch, accumulation) configuration "
+        "measure every micro-batch x accumulation factorization of a global batch",
+        "At a fixed global batch, measure each (micro-batch, accumulation) configuration "
         "R times, interleaved, each run in a fresh process: throughput, phase times, peak memory, "
         "all-reduces. Fits the memory model and prints the communication model beside the measurements.",
+        _add_options,
+        run,
     )
-    p.add_argument(
-        "--global-batch",
-        type=int_at_least(1),
-        default=16,
-        metavar="G",
-        help="examples per optimizer update (default 16)",
-    )
-    p.add_argument(
-        "--configs",
-        default=None,
-        metavar="MICROxACCUM,...",
-        help="comma-separated configurations to measure (default: every factorization of the global batch)",
-    )
-    p.add_argument(
-        "--max-tokens",
-        default=None,
-        metavar="N,...",
-        help="comma-separated token budgets: measure each as one more row at the same global batch, "
-        "its micro-batches cut by gradaccum.split_by_tokens (sorted by length, at most N tokens each, "
-        "balanced across ranks) beside the fixed ones; a budget of micro-batch x the longest row bounds "
-        "activations as that micro-batch does (default: none)",
-    )
-    p.add_argument(
-        "--memory-budget",
-        default=None,
-        metavar="SIZE",
-        help="e.g. 6GiB per rank: advise the fastest measured row that fits it, say why in one sentence, "
-        "and write its run card; with --mesh, the sync policy with the least communication whose "
-        "gradients held fit it (default: no budget)",
-    )
-    p.add_argument(
-        "--checkpointing",
-        default="none",
-        metavar="MODES",
-        help="comma-separated activation checkpointing modes to measure each configuration with: none, "
-        "full (every repeated block: nn.ModuleList members, or the workload's extras['checkpoint_blocks']); "
-        "default none",
-    )
-    p.add_argument(
-        "--sharding",
-        default="ddp",
-        metavar="KINDS",
-        help="comma-separated: ddp (replicas), fsdp2 (fully_shard; needs --dp 2+, measured with sync "
-        "deferred and on every micro-batch); default ddp",
-    )
-    p.add_argument(
-        "--mesh",
-        default=None,
-        metavar="NAME=SIZE,...",
-        help="under torchrun: measure the HSDP sync policies (defer, defer_replicate, every) on a device "
-        "mesh, e.g. dp_replicate=2,dp_shard=2 or dp_shard=2,tp=2 (the workload declares parallelize(model, "
-        "mesh)): calls and bytes per update per mesh dimension beside the model, gradient memory held, "
-        "and with --memory-budget the policy to use (default: no mesh, the sweep)",
-    )
-    p.add_argument(
-        "--accum-steps",
-        type=int_at_least(2),
-        default=4,
-        metavar="K",
-        help="with --mesh: micro-batches per update on every data rank (default 4)",
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_flags(
+        p,
+        Flag("--global-batch", "G", int_at_least(1), "examples per optimizer update (default 16)", 16),
+        Flag(
+            "--configs",
+            "MICROxACCUM,...",
+            None,
+            "comma-separated configurations to measure (default: every factorization of the global batch)",
+        ),
+        Flag(
+            "--max-tokens",
+            "N,...",
+            None,
+            "comma-separated token budgets: measure each as one more row at the same global batch, "
+            "its micro-batches cut by gradaccum.split_by_tokens (sorted by length, at most N tokens each, "
+            "balanced across ranks) beside the fixed ones; a budget of micro-batch x the longest row bounds "
+            "activations as that micro-batch does (default: none)",
+        ),
+        Flag(
+            "--memory-budget",
+            "SIZE",
+            None,
+            "e.g. 6GiB per rank: advise the fastest measured row that fits it, say why in one sentence, "
+            "and write its run card; with --mesh, the sync policy with the least communication whose "
+            "gradients held fit it (default: no budget)",
+        ),
+        Flag(
+            "--checkpointing",
+            "MODES",
+            None,
+            "comma-separated activation checkpointing modes to measure each configuration with: none, "
+            "full (every repeated block: nn.ModuleList members, or the workload's "
+            "extras['checkpoint_blocks']); default none",
+            "none",
+        ),
+        Flag(
+            "--sharding",
+            "KINDS",
+            None,
+            "comma-separated: ddp (replicas), fsdp2 (fully_shard; needs --dp 2+, measured with sync "
+            "deferred and on every micro-batch); default ddp",
+            "ddp",
+        ),
+        Flag(
+            "--mesh",
+            "NAME=SIZE,...",
+            None,
+            "under torchrun: measure the HSDP sync policies (defer, defer_replicate, every) on a device "
+            "mesh, e.g. dp_replicate=2,dp_shard=2 or dp_shard=2,tp=2 (the workload declares "
+            "parallelize(model, mesh)): calls and bytes per update per mesh dimension beside the model, "
+            "gradient memory held, and with --memory-budget the policy to use (default: no mesh, the sweep)",
+        ),
+        Flag(
+            "--accum-steps",
+            "K",
+            int_at_least(2),
+            "with --mesh: micro-batches per update on every data rank (default 4)",
+            4,
+        ),
     )
     p.add_argument("--json", action="store_true", help="also print results.json to stdout (default: tables)")
     add_measure_options(p, steps=20)
-    p.set_defaults(func=run)
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -148,17 +154,14 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
         checkpoint_blocks(workload, workload.build_model())  # no blocks to checkpoint: exit 2 now
         check = check_checkpointing(workload, seed=spec.settings.seed, device=device)
     launching = make_launching(dp, args.timeout)
-    try:
-        with progress_bar(args.progress and launching.leader) as on_progress:
-            result = run_sweep(
-                spec,
-                launching.launch,
-                on_progress=progress_stage(beat, on_progress),
-                environment=environment(device),
-                checkpointing_check=check,
-            )
-    finally:
-        finish_launching(launching)
+    with measuring(launching, progress=args.progress, beat=beat) as on_progress:
+        result = run_sweep(
+            spec,
+            launching.launch,
+            on_progress=on_progress,
+            environment=environment(device),
+            checkpointing_check=check,
+        )
     code = EXIT_OK if any(c.ok for c in result.configs) else EXIT_FAILED
     if check is not None and not check.passed:
         code = EXIT_FAILED

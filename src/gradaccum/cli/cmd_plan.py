@@ -6,7 +6,7 @@ import argparse
 
 from rich.table import Table
 
-from gradaccum.cli.common import console, int_at_least, parse_plan, yes_no
+from gradaccum.cli.common import Flag, add_command, add_flags, console, int_at_least, parse_plan, yes_no
 from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan, compare_plans
 
@@ -22,13 +22,19 @@ def _named_plan(text: str) -> tuple[str, BatchPlan]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    add_command(
+        subparsers,
         "plan",
-        help="print the batch equation and compare plans",
-        description="Print the batch equation of each plan and whether it holds global batch, "
+        "print the batch equation and compare plans",
+        "Print the batch equation of each plan and whether it holds global batch, "
         "tokens per step and update count fixed against the first. With no plans: a worked example of "
         "25,600 sequences on 8 replicas (A = 8x8x4, B = 4x8x8, changed-batch = 4x8x1).",
+        _add_options,
+        run,
     )
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "plans",
         nargs="*",
@@ -36,27 +42,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="plans to compare, the first is the baseline; MICRO examples per forward, DP replicas, "
         "ACCUM micro-batches per optimizer step (default: A=8x8x4 B=4x8x8 changed-batch=4x8x1)",
     )
-    p.add_argument(
-        "--seq-len",
-        type=int_at_least(1),
-        default=2048,
-        metavar="N",
-        help="tokens per sequence (default 2048)",
-    )
-    p.add_argument(
-        "--dataset-size",
-        type=int_at_least(0),
-        default=25_600,
-        metavar="N",
-        help="sequences in one epoch (default 25600)",
-    )
-    p.add_argument(
-        "--mesh",
-        default=None,
-        metavar="NAME=SIZE,...",
-        help="the device mesh, e.g. dp_replicate=2,dp_shard=4,cp=2,tp=2,pp=2: the batch equation "
-        "with its dimensions (dp = dp_replicate x dp_shard; cp, tp and pp ranks share samples); "
-        "each plan's DP must equal the mesh's (default: no mesh)",
+    add_flags(
+        p,
+        Flag("--seq-len", "N", int_at_least(1), "tokens per sequence (default 2048)", 2048),
+        Flag("--dataset-size", "N", int_at_least(0), "sequences in one epoch (default 25600)", 25_600),
+        Flag(
+            "--mesh",
+            "NAME=SIZE,...",
+            None,
+            "the device mesh, e.g. dp_replicate=2,dp_shard=4,cp=2,tp=2,pp=2: the batch equation "
+            "with its dimensions (dp = dp_replicate x dp_shard; cp, tp and pp ranks share samples); "
+            "each plan's DP must equal the mesh's (default: no mesh)",
+        ),
     )
     p.add_argument(
         "--final-window",
@@ -64,7 +61,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="keep",
         help="count a final partial window as an update (keep) or discard it (drop) (default keep)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

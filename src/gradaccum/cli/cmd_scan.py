@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 
 from gradaccum.cli.common import (
+    Flag,
+    add_command,
+    add_flags,
     add_workload_option,
     console,
     escape,
@@ -16,32 +19,33 @@ from gradaccum.errors import PlanError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    add_command(
+        subparsers,
         "scan",
-        help="list the layers and losses that break exact accumulation",
-        description="Scan a workload's model for what changes under accumulation (BatchNorm, random "
+        "list the layers and losses that break exact accumulation",
+        "Scan a workload's model for what changes under accumulation (BatchNorm, random "
         "layers, MoE routers, declared batch-coupled losses), with figures and fixes. Static: "
         "`gradaccum verify` is the empirical check.",
+        _add_options,
+        run,
     )
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
     add_workload_option(p)
-    p.add_argument(
-        "--accum-steps",
-        type=int_at_least(1),
-        default=None,
-        metavar="K",
-        help="micro-batches per optimizer step (default: the workload's batch / micro-batch)",
-    )
-    p.add_argument(
-        "--micro-batch",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="examples per forward (default: the workload's)",
+    add_flags(
+        p,
+        Flag(
+            "--accum-steps",
+            "K",
+            int_at_least(1),
+            "micro-batches per optimizer step (default: the workload's batch / micro-batch)",
+        ),
+        Flag("--micro-batch", "N", int_at_least(1), "examples per forward (default: the workload's)"),
     )
     p.add_argument(
         "--strict", action="store_true", help="exit 1 when a finding breaks equivalence (default: exit 0)"
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,11 +13,12 @@ launch into a ``TrainConfig``; :func:`~gradaccum.train.loop.train` runs it and r
 events and the result. This module holds the flags and that sequence; the decisions (defaults, the
 plan, what a run card fixes) are in :mod:`gradaccum.train.spec` and :mod:`gradaccum.train.resolve`.
 
-Adding a flag is a two-place change: add it in ``register`` (``dest`` = the field's name, argparse
-default ``None``, the real default in the help) and add the field to ``TrainSpec`` (its default, its
-check); :func:`spec_from_args` and ``resolve_spec`` carry it from there (a field named like a
-``TrainConfig`` field reaches the run unchanged). ``tests/cli/test_train_flags.py`` checks that every
-field has its flag.
+Adding a flag is a two-place change: add it to its group below (a
+:class:`~gradaccum.cli.options.Flag` row, or an ``add_argument`` call for a switch or a choice;
+``dest`` = the field's name, argparse default ``None``, the real default in the help) and add the
+field to ``TrainSpec`` (its default, its check); :func:`spec_from_args` and ``resolve_spec`` carry it
+from there (a field named like a ``TrainConfig`` field reaches the run unchanged).
+``tests/cli/test_train_flags.py`` checks that every field has its flag.
 
 The launch (device, torchrun's process group, the run folder, the resume command, a lost rank) is
 :mod:`gradaccum.cli.train_launch`, the only training code that reads environment variables. Signals,
@@ -40,7 +41,10 @@ from gradaccum.cli.common import (
     DEFAULT_WORKLOAD,
     EXIT_FAILED,
     EXIT_OK,
+    Flag,
+    add_command,
     add_data_options,
+    add_flags,
     add_threads_option,
     default_threads,
     int_at_least,
@@ -58,22 +62,9 @@ from gradaccum.errors import (
     TrainError,
 )
 from gradaccum.names import PRECISIONS
+from gradaccum.train import spec as train_spec
 from gradaccum.train.batch_schedule import DEFAULT_GROWTH, DEFAULT_LR_RULE, DEFAULT_MIN_UPDATES, LR_RULES
-from gradaccum.train.spec import (
-    DEFAULT_CHECKPOINT_EVERY,
-    DEFAULT_CHECKPOINT_MINUTES,
-    DEFAULT_GLOBAL_BATCH,
-    DEFAULT_KEEP_CHECKPOINTS,
-    DEFAULT_LR,
-    DEFAULT_MAX_GRAD_NORM,
-    DEFAULT_MAX_SKIPS,
-    DEFAULT_MICRO_BATCH,
-    DEFAULT_OPTIMIZER,
-    DEFAULT_STEPS,
-    DEFAULT_WEIGHT_DECAY,
-    OPTIMIZERS,
-    TrainSpec,
-)
+from gradaccum.train.spec import TrainSpec
 
 if TYPE_CHECKING:
     import torch
@@ -84,114 +75,129 @@ __all__ = ["register", "run", "spec_from_args"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    add_command(
+        subparsers,
         "train",
-        help="train with exact accumulation (one process, or DDP/FSDP2 under torchrun)",
-        description="Train a workload with exact gradient accumulation. Every flag has a default that "
+        "train with exact accumulation (one process, or DDP/FSDP2 under torchrun)",
+        "Train a workload with exact gradient accumulation. Every flag has a default that "
         "fits the bundled tiny GPT; under torchrun the same command runs data-parallel. Exit codes: 0 "
         "done, 1 the run failed (a rank lost, a full disk, out of memory, diverged), 2 bad input, 130 "
         "stopped by SIGINT, 143 stopped by SIGTERM (both after a checkpoint: rerun with --resume auto).",
+        _add_options,
+        run,
     )
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
     _add_what(p.add_argument_group("what to train"))
     _add_length(p.add_argument_group("how long"))
     _add_optimizer(p.add_argument_group("optimizer and schedule"))
     _add_batch_schedule(p.add_argument_group("batch-size schedule (the critical batch)"))
     _add_run(p.add_argument_group("run"))
     add_data_options(p)
-    p.set_defaults(func=run)
 
 
 def _add_what(what: argparse._ArgumentGroup) -> None:
-    what.add_argument(
-        "--workload",
-        metavar="MODULE:FUNCTION",
-        help=f"the function that returns a gradaccum.Workload (MODULE is imported from the current "
-        f"directory or the import path), or hf:MODEL_DIR with --data FILE (default {DEFAULT_WORKLOAD})",
-    )
-    what.add_argument(
-        "--runcard",
-        type=Path,
-        metavar="PATH",
-        help="train exactly what this run card records: workload, plan, precision, seed, "
-        "accumulation settings and optimizer (default: none, the flags below)",
-    )
-    what.add_argument(
-        "--global-batch",
-        type=int_at_least(1),
-        metavar="G",
-        help=f"examples per optimizer step, all ranks (default {DEFAULT_GLOBAL_BATCH})",
-    )
-    what.add_argument(
-        "--micro-batch",
-        type=int_at_least(1),
-        metavar="N",
-        help=f"examples per forward pass on each rank (default {DEFAULT_MICRO_BATCH})",
-    )
-    what.add_argument(
-        "--max-tokens",
-        type=int_at_least(1),
-        metavar="N",
-        help="instead of --micro-batch: micro-batches of at most N tokens (rows x longest row), each "
-        "window's rows sorted by length and balanced across ranks by tokens (default: none, fixed "
-        "micro-batches)",
+    add_flags(
+        what,
+        Flag(
+            "--workload",
+            "MODULE:FUNCTION",
+            None,
+            f"the function that returns a gradaccum.Workload (MODULE is imported from the current "
+            f"directory or the import path), or hf:MODEL_DIR with --data FILE (default {DEFAULT_WORKLOAD})",
+        ),
+        Flag(
+            "--runcard",
+            "PATH",
+            Path,
+            "train exactly what this run card records: workload, plan, precision, seed, "
+            "accumulation settings and optimizer (default: none, the flags below)",
+        ),
+        Flag(
+            "--global-batch",
+            "G",
+            int_at_least(1),
+            f"examples per optimizer step, all ranks (default {train_spec.DEFAULT_GLOBAL_BATCH})",
+        ),
+        Flag(
+            "--micro-batch",
+            "N",
+            int_at_least(1),
+            f"examples per forward pass on each rank (default {train_spec.DEFAULT_MICRO_BATCH})",
+        ),
+        Flag(
+            "--max-tokens",
+            "N",
+            int_at_least(1),
+            "instead of --micro-batch: micro-batches of at most N tokens (rows x longest row), each "
+            "window's rows sorted by length and balanced across ranks by tokens (default: none, fixed "
+            "micro-batches)",
+        ),
     )
     what.add_argument(
         "--precision",
         choices=PRECISIONS,
         help="compute precision; float16 adds a GradScaler (default float32)",
     )
-    what.add_argument(
-        "--seed", type=int_at_least(0), metavar="S", help="data stream and dropout seed (default 0)"
-    )
+    add_flags(what, Flag("--seed", "S", int_at_least(0), "data stream and dropout seed (default 0)"))
 
 
 def _add_length(length: argparse._ArgumentGroup) -> None:
-    length.add_argument(
-        "--steps",
-        type=int_at_least(1),
-        metavar="N",
-        help=f"optimizer boundaries to train, skipped ones included (default {DEFAULT_STEPS}, or none "
-        "with --tokens)",
-    )
-    length.add_argument(
-        "--tokens",
-        type=int_at_least(1),
-        metavar="T",
-        help="stop once this many valid tokens were consumed (default: no token limit)",
+    add_flags(
+        length,
+        Flag(
+            "--steps",
+            "N",
+            int_at_least(1),
+            f"optimizer boundaries to train, skipped ones included (default {train_spec.DEFAULT_STEPS}, "
+            "or none with --tokens)",
+        ),
+        Flag(
+            "--tokens",
+            "T",
+            int_at_least(1),
+            "stop once this many valid tokens were consumed (default: no token limit)",
+        ),
     )
 
 
 def _add_optimizer(opt: argparse._ArgumentGroup) -> None:
     opt.add_argument(
         "--optimizer",
-        choices=OPTIMIZERS,
+        choices=train_spec.OPTIMIZERS,
         help=f"adamw or sgd at --lr and --weight-decay, or the workload's own optimizer_factory "
-        f"(default {DEFAULT_OPTIMIZER})",
+        f"(default {train_spec.DEFAULT_OPTIMIZER})",
     )
-    opt.add_argument(
-        "--lr",
-        type=number_above(0.0),
-        metavar="LR",
-        help=f"peak learning rate; the schedule scales it (default {DEFAULT_LR:g})",
-    )
-    opt.add_argument(
-        "--weight-decay",
-        type=number_above(0.0, inclusive=True),
-        metavar="W",
-        help=f"decoupled weight decay (adamw) or L2 penalty (sgd) (default {DEFAULT_WEIGHT_DECAY:g})",
-    )
-    opt.add_argument(
-        "--max-grad-norm",
-        type=number_above(0.0, inclusive=True),
-        metavar="NORM",
-        help=f"clip the accumulated gradient to this norm; 0 turns clipping off "
-        f"(default {DEFAULT_MAX_GRAD_NORM:g})",
-    )
-    opt.add_argument(
-        "--max-consecutive-skips",
-        type=int_at_least(1),
-        metavar="K",
-        help=f"stop when this many updates in a row were skipped as non-finite (default {DEFAULT_MAX_SKIPS})",
+    add_flags(
+        opt,
+        Flag(
+            "--lr",
+            "LR",
+            number_above(0.0),
+            f"peak learning rate; the schedule scales it (default {train_spec.DEFAULT_LR:g})",
+        ),
+        Flag(
+            "--weight-decay",
+            "W",
+            number_above(0.0, inclusive=True),
+            "decoupled weight decay (adamw) or L2 penalty (sgd) "
+            f"(default {train_spec.DEFAULT_WEIGHT_DECAY:g})",
+        ),
+        Flag(
+            "--max-grad-norm",
+            "NORM",
+            number_above(0.0, inclusive=True),
+            f"clip the accumulated gradient to this norm; 0 turns clipping off "
+            f"(default {train_spec.DEFAULT_MAX_GRAD_NORM:g})",
+        ),
+        Flag(
+            "--max-consecutive-skips",
+            "K",
+            int_at_least(1),
+            "stop when this many updates in a row were skipped as non-finite "
+            f"(default {train_spec.DEFAULT_MAX_SKIPS})",
+        ),
     )
     opt.add_argument(
         "--schedule",
@@ -219,24 +225,22 @@ def _add_optimizer(opt: argparse._ArgumentGroup) -> None:
         default="steps",
         help="advance the schedule per applied optimizer step or per consumed valid token (default steps)",
     )
-    opt.add_argument(
-        "--warmup",
-        type=int_at_least(0),
-        metavar="N",
-        help="warmup in clock units (default 10%% of the horizon)",
-    )
-    opt.add_argument(
-        "--horizon",
-        type=int_at_least(1),
-        metavar="N",
-        help="where the cosine ends, in clock units (default: the run's length)",
-    )
-    opt.add_argument(
-        "--min-lr-ratio",
-        type=_ratio,
-        default=0.1,
-        metavar="R",
-        help="the cosine's floor as a fraction of the peak, 0 to 1 (default 0.1)",
+    add_flags(
+        opt,
+        Flag("--warmup", "N", int_at_least(0), "warmup in clock units (default 10%% of the horizon)"),
+        Flag(
+            "--horizon",
+            "N",
+            int_at_least(1),
+            "where the cosine ends, in clock units (default: the run's length)",
+        ),
+        Flag(
+            "--min-lr-ratio",
+            "R",
+            _ratio,
+            "the cosine's floor as a fraction of the peak, 0 to 1 (default 0.1)",
+            0.1,
+        ),
     )
 
 
@@ -247,25 +251,28 @@ def _add_batch_schedule(batch: argparse._ArgumentGroup) -> None:
         help="critical: grow the global batch toward the measured noise scale B_simple by raising "
         "accum_steps (the micro-batch, and memory, stay fixed; turns --noise-scale on) (default fixed)",
     )
-    batch.add_argument(
-        "--max-global-batch",
-        type=int_at_least(1),
-        metavar="G",
-        help="the largest global batch, examples over all ranks, a multiple of --micro-batch x "
-        "processes (default: none; required with --batch-schedule critical)",
-    )
-    batch.add_argument(
-        "--batch-growth",
-        type=number_above(1.0),
-        metavar="F",
-        help=f"at most this factor per change (default {DEFAULT_GROWTH:g})",
-    )
-    batch.add_argument(
-        "--batch-min-updates",
-        type=int_at_least(1),
-        metavar="N",
-        help=f"applied updates before the first change and between changes; the decision reads the "
-        f"last N windows' estimates (default {DEFAULT_MIN_UPDATES})",
+    add_flags(
+        batch,
+        Flag(
+            "--max-global-batch",
+            "G",
+            int_at_least(1),
+            "the largest global batch, examples over all ranks, a multiple of --micro-batch x "
+            "processes (default: none; required with --batch-schedule critical)",
+        ),
+        Flag(
+            "--batch-growth",
+            "F",
+            number_above(1.0),
+            f"at most this factor per change (default {DEFAULT_GROWTH:g})",
+        ),
+        Flag(
+            "--batch-min-updates",
+            "N",
+            int_at_least(1),
+            f"applied updates before the first change and between changes; the decision reads the "
+            f"last N windows' estimates (default {DEFAULT_MIN_UPDATES})",
+        ),
     )
     batch.add_argument(
         "--batch-lr-rule",
@@ -273,11 +280,14 @@ def _add_batch_schedule(batch: argparse._ArgumentGroup) -> None:
         help=f"the learning rate when the batch grows from B0 to B: keep, sqrt (x sqrt(B/B0), Adam's "
         f"rule) or linear (x B/B0, SGD's) (default {DEFAULT_LR_RULE})",
     )
-    batch.add_argument(
-        "--batch-fraction",
-        type=number_above(0.0),
-        metavar="R",
-        help="aim the global batch at R x B_simple; below 1 spends fewer tokens and more updates (default 1)",
+    add_flags(
+        batch,
+        Flag(
+            "--batch-fraction",
+            "R",
+            number_above(0.0),
+            "aim the global batch at R x B_simple; below 1 spends fewer tokens and more updates (default 1)",
+        ),
     )
 
 
@@ -296,50 +306,57 @@ def _add_run(where: argparse._ArgumentGroup) -> None:
         "records it (default: eager)",
     )
     add_threads_option(where, per="process, printed at start, as bench and accept")
-    where.add_argument(
-        "--run-dir",
-        type=output_folder,
-        metavar="PATH",
-        help="run folder; a fresh run refuses one that holds another run (default runs/train-<time>)",
-    )
-    where.add_argument(
-        "--resume",
-        metavar="PATH|auto",
-        help="continue from a checkpoint folder, or from a run folder's newest intact checkpoint; "
-        "auto (or latest): the newest intact checkpoint of --run-dir, or a fresh run there if it has "
-        "none yet; without --run-dir, of the newest run under runs/ (default: a fresh run)",
-    )
-    where.add_argument(
-        "--checkpoint-every",
-        type=int_at_least(0),
-        metavar="N",
-        help=f"checkpoint every N applied updates; 0: not by count (default {DEFAULT_CHECKPOINT_EVERY})",
-    )
-    where.add_argument(
-        "--checkpoint-minutes",
-        type=number_above(0.0, inclusive=True),
-        metavar="M",
-        help=f"checkpoint at the first boundary M minutes after the last one, whichever of this and "
-        f"--checkpoint-every comes first; 0: not by time (default {DEFAULT_CHECKPOINT_MINUTES:g})",
-    )
-    where.add_argument(
-        "--keep-checkpoints",
-        type=int_at_least(1),
-        metavar="K",
-        help=f"intact checkpoints kept; older ones are deleted (default {DEFAULT_KEEP_CHECKPOINTS})",
-    )
-    where.add_argument(
-        "--eval-every",
-        type=int_at_least(1),
-        metavar="N",
-        help="evaluate on held-out examples every N boundaries and at the end (default: never)",
-    )
-    where.add_argument(
-        "--eval-examples",
-        type=int_at_least(1),
-        default=64,
-        metavar="N",
-        help="held-out examples per evaluation, split across ranks (default 64)",
+    add_flags(
+        where,
+        Flag(
+            "--run-dir",
+            "PATH",
+            output_folder,
+            "run folder; a fresh run refuses one that holds another run (default runs/train-<time>)",
+        ),
+        Flag(
+            "--resume",
+            "PATH|auto",
+            None,
+            "continue from a checkpoint folder, or from a run folder's newest intact checkpoint; "
+            "auto (or latest): the newest intact checkpoint of --run-dir, or a fresh run there if it has "
+            "none yet; without --run-dir, of the newest run under runs/ (default: a fresh run)",
+        ),
+        Flag(
+            "--checkpoint-every",
+            "N",
+            int_at_least(0),
+            "checkpoint every N applied updates; 0: not by count "
+            f"(default {train_spec.DEFAULT_CHECKPOINT_EVERY})",
+        ),
+        Flag(
+            "--checkpoint-minutes",
+            "M",
+            number_above(0.0, inclusive=True),
+            "checkpoint at the first boundary M minutes after the last one, whichever of this and "
+            "--checkpoint-every comes first; 0: not by time "
+            f"(default {train_spec.DEFAULT_CHECKPOINT_MINUTES:g})",
+        ),
+        Flag(
+            "--keep-checkpoints",
+            "K",
+            int_at_least(1),
+            "intact checkpoints kept; older ones are deleted "
+            f"(default {train_spec.DEFAULT_KEEP_CHECKPOINTS})",
+        ),
+        Flag(
+            "--eval-every",
+            "N",
+            int_at_least(1),
+            "evaluate on held-out examples every N boundaries and at the end (default: never)",
+        ),
+        Flag(
+            "--eval-examples",
+            "N",
+            int_at_least(1),
+            "held-out examples per evaluation, split across ranks (default 64)",
+            64,
+        ),
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rich.table import Table
@@ -17,6 +18,9 @@ from rich.table import Table
 from gradaccum.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    Flag,
+    add_command,
+    add_flags,
     add_workload_option,
     console,
     escape,
@@ -53,52 +57,58 @@ def _sizes(text: str) -> list[int]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    add_command(
+        subparsers,
         "verify",
-        help="check that the accumulated update equals the full-batch update",
-        description="Run the same examples as one full batch and as micro-batches through "
+        "check that the accumulated update equals the full-batch update",
+        "Run the same examples as one full batch and as micro-batches through "
         "Accumulator.step; compare gradients before clipping and parameters after one update "
         "(full precision), then loss and gradient-norm traces over a few steps (production "
         "precision). Exit 0 pass, 1 fail, 2 bad input.",
+        _add_options,
+        run,
     )
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
     add_workload_option(p)
     cut = p.add_mutually_exclusive_group()
-    cut.add_argument(
-        "--micro-batch",
-        type=int_at_least(1),
-        metavar="N",
-        help="examples per micro-batch; must divide the batch (default: the workload's)",
+    add_flags(
+        cut,
+        Flag(
+            "--micro-batch",
+            "N",
+            int_at_least(1),
+            "examples per micro-batch; must divide the batch (default: the workload's)",
+        ),
+        Flag(
+            "--sizes",
+            "A,B,...",
+            _sizes,
+            "an explicit partition, e.g. 1,3,4 (default: none, equal micro-batches of --micro-batch)",
+        ),
     )
-    cut.add_argument(
-        "--sizes",
-        type=_sizes,
-        metavar="A,B,...",
-        help="an explicit partition, e.g. 1,3,4 (default: none, equal micro-batches of --micro-batch)",
+    _add_renamed_precision(
+        p, "--check-precision", "--dtype", VERIFY_DTYPES, "float64", "precision of the stage-1 diagnostic"
     )
-    p.add_argument(
-        "--check-precision",
-        "--dtype",  # the earlier name, kept
-        dest="dtype",
-        choices=VERIFY_DTYPES,
-        default="float64",
-        help="precision of the stage-1 diagnostic (default float64; --dtype is the same flag)",
+    add_flags(
+        p,
+        Flag(
+            "--trace-steps",
+            "N",
+            int_at_least(0),
+            f"optimizer steps in the stage-2 trace comparison, at most {MAX_TRACE_STEPS}; 0 skips it "
+            "(default 5)",
+            5,
+        ),
     )
-    p.add_argument(
-        "--trace-steps",
-        type=int_at_least(0),
-        default=5,
-        metavar="N",
-        help=f"optimizer steps in the stage-2 trace comparison, at most {MAX_TRACE_STEPS}; 0 skips it "
-        "(default 5)",
-    )
-    p.add_argument(
+    _add_renamed_precision(
+        p,
         "--precision",
-        "--trace-dtype",  # the earlier name, kept
-        dest="trace_dtype",
-        choices=TRACE_DTYPES,
-        default="float32",
-        help="production precision of stage 2, as --precision of train, bench and accept (default "
-        "float32; --trace-dtype is the same flag)",
+        "--trace-dtype",
+        TRACE_DTYPES,
+        "float32",
+        "production precision of stage 2, as --precision of train, bench and accept",
     )
     p.add_argument(
         "--cached",
@@ -112,13 +122,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the packed check instead: the workload's documents packed and padded must give the same "
         "update under token and document normalization (hf: workloads, or extras['documents'])",
     )
-    p.add_argument(
-        "--mesh",
-        default=None,
-        metavar="NAME=SIZE,...",
-        help="under torchrun: check on a device mesh, e.g. dp_shard=2,tp=2 (data and tensor parallel "
-        "dimensions; the workload declares parallelize(model, mesh)) against one micro-batch per rank "
-        "and one process's full batch (default: no mesh)",
+    add_flags(
+        p,
+        Flag(
+            "--mesh",
+            "NAME=SIZE,...",
+            None,
+            "under torchrun: check on a device mesh, e.g. dp_shard=2,tp=2 (data and tensor parallel "
+            "dimensions; the workload declares parallelize(model, mesh)) against one micro-batch per rank "
+            "and one process's full batch (default: no mesh)",
+        ),
     )
     p.add_argument(
         "--compile",
@@ -127,8 +140,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check it against the eager full-batch update; stage 2 runs eager",
     )
     p.add_argument("--device", default="cpu", help="where to run, e.g. cuda:0 (default cpu)")
-    p.add_argument("--seed", type=int_at_least(0), default=0, help="initialization/data seed")
-    p.set_defaults(func=run)
+    add_flags(p, Flag("--seed", None, int_at_least(0), "initialization/data seed", 0))
+
+
+def _add_renamed_precision(
+    p: argparse.ArgumentParser, name: str, earlier: str, choices: Sequence[str], default: str, help: str
+) -> None:
+    """A precision option ``name`` that still answers to its ``earlier`` name, which also stays the
+    attribute's name (``--dtype``: ``args.dtype``), so that commands written with it keep working."""
+    dest = earlier.removeprefix("--").replace("-", "_")
+    help = f"{help} (default {default}; {earlier} is the same flag)"
+    p.add_argument(name, earlier, dest=dest, choices=choices, default=default, help=help)
 
 
 def _handled_by_cache(finding: Finding) -> Finding:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
 from typing import Any, TextIO
 
@@ -21,27 +22,23 @@ EVERY_S = 10.0
 """The longest silence between two lines."""
 
 
+@dataclass(eq=False)
 class Heartbeat:
     """``with Heartbeat("accept", enabled=...) as beat: beat.stage("measuring")``."""
 
-    def __init__(
-        self,
-        command: str,
-        *,
-        enabled: bool,
-        every_s: float = EVERY_S,
-        out: TextIO | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.command = command
-        self.enabled = enabled
-        self.every_s = every_s
-        self.out = out
-        self.clock = clock
-        self.start = clock()
-        self.current = "starting"
-        self.last = self.start
-        """When the last line was printed: the ticker speaks only after ``every_s`` of silence."""
+    command: str
+    _: KW_ONLY
+    enabled: bool
+    every_s: float = EVERY_S
+    out: TextIO | None = None
+    clock: Callable[[], float] = time.monotonic
+    current: str = field(default="starting", init=False)
+    start: float = field(init=False)
+    last: float = field(init=False)
+    """When the last line was printed: the ticker speaks only after ``every_s`` of silence."""
+
+    def __post_init__(self) -> None:
+        self.start = self.last = self.clock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -6,21 +6,26 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gradaccum.cli.console import progress_bar
+from gradaccum.cli.heartbeat import progress_stage
 from gradaccum.errors import BenchError, PlanError
 from gradaccum.plan import BatchPlan
 
 if TYPE_CHECKING:
     from gradaccum.bench.runner import Launch
+    from gradaccum.cli.heartbeat import Heartbeat
 
 __all__ = [
     "Launching",
     "available_memory_bytes",
     "finish_launching",
     "make_launching",
+    "measuring",
     "refuse_what_cannot_fit",
     "resolve_device",
     "resolve_dp",
@@ -165,3 +170,15 @@ def finish_launching(launching: Launching) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextmanager
+def measuring(launching: Launching, *, progress: bool, beat: Heartbeat) -> Iterator[Callable[[Any], None]]:
+    """Around the runs of a measurement: one ``on_progress`` callback that draws the progress bar
+    (on the leader, with ``progress``) and names each run in ``beat``; afterwards, even on an error,
+    :func:`finish_launching`."""
+    try:
+        with progress_bar(progress and launching.leader) as bar:
+            yield progress_stage(beat, bar)
+    finally:
+        finish_launching(launching)

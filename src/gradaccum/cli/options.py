@@ -9,8 +9,9 @@ import math
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gradaccum.errors import BenchError, ConfigError, PlanError, WorkloadError
 from gradaccum.names import (
@@ -27,7 +28,10 @@ if TYPE_CHECKING:
     from gradaccum.bench.spec import MeasureSettings
 
 __all__ = [
+    "Flag",
+    "add_command",
     "add_data_options",
+    "add_flags",
     "add_measure_options",
     "add_threads_option",
     "add_workload_option",
@@ -164,6 +168,42 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+@dataclass(frozen=True)
+class Flag:
+    """An option that takes a value, as one row of a command's table of options (:func:`add_flags`):
+    ``Flag("--steps", "N", int_at_least(1), "measured updates per run", 20)``. A ``None`` leaves
+    argparse's own choice: the value kept as text (``type``), ``--steps STEPS`` in the usage
+    (``metavar``), an unset option (``default``). Switches and choices stay ``add_argument`` calls."""
+
+    name: str
+    metavar: str | None
+    type: Callable[[str], Any] | None
+    help: str
+    default: Any = None
+
+
+def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: Flag) -> None:
+    """Declare ``flags`` on ``p`` in their order (the order ``--help`` lists them in)."""
+    for flag in flags:
+        parse: dict[str, Any] = {} if flag.type is None else {"type": flag.type}
+        p.add_argument(flag.name, default=flag.default, metavar=flag.metavar, help=flag.help, **parse)
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    help: str,
+    description: str,
+    add_options: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    """The subcommand ``name``: ``help`` is its line in ``gradaccum --help`` and ``description``
+    heads its own; ``add_options`` declares its options and ``run(args)`` (the exit code) runs it."""
+    p = subparsers.add_parser(name, help=help, description=description)
+    add_options(p)
+    p.set_defaults(func=run)
+
+
 def add_workload_option(p: argparse.ArgumentParser) -> None:
     """``--workload MODULE:FUNCTION`` (or ``hf:MODEL_DIR``), defaulting to the bundled tiny GPT, and
     the data options of ``hf:`` workloads (:func:`add_data_options`)."""
@@ -180,13 +220,8 @@ def add_workload_option(p: argparse.ArgumentParser) -> None:
 
 def add_threads_option(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, per: str) -> None:
     """``--threads N``: torch threads per ``per`` (worker, process); the same default everywhere."""
-    p.add_argument(
-        "--threads",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help=f"torch intra-op threads per {per} (default 1 on CPU, torch's own on CUDA)",
-    )
+    help = f"torch intra-op threads per {per} (default 1 on CPU, torch's own on CUDA)"
+    add_flags(p, Flag("--threads", "N", int_at_least(1), help))
 
 
 def add_data_options(p: argparse.ArgumentParser) -> None:
@@ -195,24 +230,25 @@ def add_data_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "hf: workloads", "--workload hf:MODEL_DIR --data FILE: a local model folder and data file"
     )
-    g.add_argument(
-        "--data",
-        type=Path,
-        metavar="FILE",
-        help=".txt (one document per line) or .jsonl (one JSON object per line) to read documents "
-        "from (default: none; an hf: workload needs it)",
-    )
-    g.add_argument(
-        "--text-field",
-        metavar="NAME",
-        help=f"the .jsonl field holding the text (default {DEFAULT_TEXT_FIELD})",
-    )
-    g.add_argument(
-        "--seq-len",
-        type=int_at_least(2),
-        metavar="N",
-        help="tokens per row; longer documents are cut into documents of their own "
-        f"(default {DEFAULT_SEQ_LEN}, or the model's max_position_embeddings if shorter)",
+    add_flags(
+        g,
+        Flag(
+            "--data",
+            "FILE",
+            Path,
+            ".txt (one document per line) or .jsonl (one JSON object per line) to read documents "
+            "from (default: none; an hf: workload needs it)",
+        ),
+        Flag(
+            "--text-field", "NAME", None, f"the .jsonl field holding the text (default {DEFAULT_TEXT_FIELD})"
+        ),
+        Flag(
+            "--seq-len",
+            "N",
+            int_at_least(2),
+            "tokens per row; longer documents are cut into documents of their own "
+            f"(default {DEFAULT_SEQ_LEN}, or the model's max_position_embeddings if shorter)",
+        ),
     )
     g.add_argument(
         "--pack",
@@ -288,25 +324,12 @@ def add_measure_options(p: argparse.ArgumentParser, *, steps: int, min_runs: int
     """The options of ``bench`` and ``accept``: the workload, dp, how to measure, where to write.
     ``min_runs``: the fewest runs the command can summarize (accept's interval needs 3)."""
     add_workload_option(p)
-    p.add_argument(
-        "--dp",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="data-parallel replicas (default: torchrun's world size, else 1)",
-    )
-    p.add_argument(
-        "--runs",
-        type=int_at_least(min_runs),
-        default=max(3, min_runs),
-        metavar="R",
-        help="runs per configuration, interleaved",
-    )
-    p.add_argument(
-        "--steps", type=int_at_least(1), default=steps, metavar="N", help="measured updates per run"
-    )
-    p.add_argument(
-        "--warmup", type=int_at_least(0), default=3, metavar="N", help="unmeasured updates per run"
+    add_flags(
+        p,
+        Flag("--dp", "N", int_at_least(1), "data-parallel replicas (default: torchrun's world size, else 1)"),
+        Flag("--runs", "R", int_at_least(min_runs), "runs per configuration, interleaved", max(3, min_runs)),
+        Flag("--steps", "N", int_at_least(1), "measured updates per run", steps),
+        Flag("--warmup", "N", int_at_least(0), "unmeasured updates per run", 3),
     )
     p.add_argument("--precision", choices=PRECISIONS, default="float32", help="production precision")
     p.add_argument(
@@ -317,18 +340,13 @@ def add_measure_options(p: argparse.ArgumentParser, *, steps: int, min_runs: int
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N; auto is cuda when present")
     add_threads_option(p, per="worker process")
-    p.add_argument("--seed", type=int_at_least(0), default=0, help="model and data seed")
-    p.add_argument(
-        "--bucket-cap-mb",
-        type=number_above(0.0),
-        default=None,
-        metavar="MIB",
-        help="DDP bucket size in MiB (default DDP's, 25)",
+    add_flags(
+        p,
+        Flag("--seed", None, int_at_least(0), "model and data seed", 0),
+        Flag("--bucket-cap-mb", "MIB", number_above(0.0), "DDP bucket size in MiB (default DDP's, 25)"),
+        Flag("--timeout", "S", number_above(0.0), "seconds one run may take", 600.0),
+        Flag("--out-dir", None, output_folder, "where run folders go", Path("runs")),
     )
-    p.add_argument(
-        "--timeout", type=number_above(0.0), default=600.0, metavar="S", help="seconds one run may take"
-    )
-    p.add_argument("--out-dir", type=output_folder, default=Path("runs"), help="where run folders go")
     p.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar (default: shown)"
     )
@@ -353,19 +371,13 @@ def default_threads(requested: int | None, device: str) -> int | None:
     return 1
 
 
+_MEASURE_FLAGS = ("runs", "steps", "warmup", "precision", "defer_sync", "bucket_cap_mb", "seed", "compile")
+"""The flags of :func:`add_measure_options` that are :class:`MeasureSettings` fields of the same name."""
+
+
 def measure_settings(args: argparse.Namespace, device: str) -> MeasureSettings:
     """The settings :func:`add_measure_options` parsed; ``device`` already resolved from ``auto``."""
     from gradaccum.bench.spec import MeasureSettings
 
-    return MeasureSettings(
-        runs=args.runs,
-        steps=args.steps,
-        warmup=args.warmup,
-        precision=args.precision,
-        defer_sync=args.defer_sync,
-        device=device,
-        threads=default_threads(args.threads, device),
-        bucket_cap_mb=args.bucket_cap_mb,
-        seed=args.seed,
-        compile=args.compile,
-    )
+    same = {name: getattr(args, name) for name in _MEASURE_FLAGS}
+    return MeasureSettings(**same, device=device, threads=default_threads(args.threads, device))
