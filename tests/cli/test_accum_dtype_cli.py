@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -10,23 +9,22 @@ import pytest
 
 from gradaccum.cli.main import main
 from gradaccum.plan import BatchPlan
-from gradaccum.runcard import RunCard, read_runcard, write_runcard
+from gradaccum.runcard import read_runcard
 from gradaccum.step.config import AccumConfig
-from tests.train.common import train_from_runcard
+from tests.train.common import train_from_accum_card
 
 
 def test_a_run_card_records_accum_dtype_and_train_replays_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    card = tmp_path / "card.json"
     plan = BatchPlan(micro_batch=4, accum_steps=2, dp=1)
     accum = AccumConfig(accum_dtype="float32")
-    write_runcard(RunCard(workload="gradaccum.examples:tiny_gpt", plan=plan, accum=accum), card)
+    card, built, trained = train_from_accum_card(
+        tmp_path, monkeypatch, "gradaccum.examples:tiny_gpt", plan, accum, steps=1
+    )
     assert read_runcard(card).accum.accum_dtype == "float32"
-    built = train_from_runcard(card, tmp_path / "run", monkeypatch, steps=1)
     assert [acc.config.accum_dtype for acc in built] == ["float32"]
-    trained = json.loads((tmp_path / "run" / "runcard.json").read_text())
-    assert trained["accum"]["accum_dtype"] == "float32"
+    assert trained["accum_dtype"] == "float32"
 
 
 def test_verify_in_bf16_reports_the_accumulation_error_at_k_beside_k1(

@@ -267,76 +267,69 @@ def test_train_with_a_runcard_truncated_exits_2_and_writes_nothing(
 FILE = "a-file"  # created in the test's working directory before the command runs
 QUICK_ACCEPT = QUICK["accept"]
 
-HOSTILE: list[tuple[list[str], str]] = [
+_HOSTILE_LINES = [
     # train
-    (["train", "--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
-    (["train", "--steps", "many"], "argument --steps: expected an integer, got 'many'"),
-    (["train", "--tokens", "-5"], "argument --tokens: expected an integer >= 1, got -5"),
-    (["train", "--micro-batch", "0"], "argument --micro-batch: expected an integer >= 1, got 0"),
-    (
-        ["train", "--global-batch", "30", "--micro-batch", "8"],
-        "the nearest reachable global batches are 24 or 32",
-    ),
-    (["train", "--lr", "-1"], "argument --lr: expected a finite number > 0, got -1"),
-    (["train", "--lr", "nan"], "argument --lr: expected a finite number > 0, got nan"),
-    (["train", "--weight-decay", "-0.1"], "argument --weight-decay: expected a finite number >= 0, got -0.1"),
-    (["train", "--min-lr-ratio", "2"], "argument --min-lr-ratio: expected a fraction from 0 to 1, got 2"),
-    (["train", "--warmup", "50", "--horizon", "10"], "--warmup 50 is longer than --horizon 10 (steps)"),
-    (["train", "--optimizer", "lamb"], "argument --optimizer: invalid choice: 'lamb'"),
-    (["train", "--keep-checkpoints", "0"], "argument --keep-checkpoints: expected an integer >= 1, got 0"),
-    (["train", "--checkpoint-every", "-1"], "argument --checkpoint-every: expected an integer >= 0, got -1"),
-    (["train", "--checkpoint-minutes", "-1"], "argument --checkpoint-minutes: expected a finite number >= 0"),
-    (["train", "--eval-examples", "0"], "argument --eval-examples: expected an integer >= 1, got 0"),
-    (["train", "--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
-    (["train", "--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
-    (["train", "--device", "banana"], "--device banana is not a device; use auto, cpu, cuda or cuda:N"),
-    (["train", "--resume", "nowhere"], "no checkpoint at nowhere"),
-    (
-        ["train", "--resume", "auto"],
-        "--resume auto found no run folder with an intact checkpoint under runs/",
-    ),
-    (["train", "--runcard", "missing.json"], "cannot read run card missing.json"),
-    (["train", "--run-dir", FILE], f"argument --run-dir: {FILE} is a file, not a folder"),
-    (["train", "--run-dir", f"{FILE}/run"], f"argument --run-dir: {FILE} is a file, not a folder"),
+    ("train --steps 0", "argument --steps: expected an integer >= 1, got 0"),
+    ("train --steps many", "argument --steps: expected an integer, got 'many'"),
+    ("train --tokens -5", "argument --tokens: expected an integer >= 1, got -5"),
+    ("train --micro-batch 0", "argument --micro-batch: expected an integer >= 1, got 0"),
+    ("train --global-batch 30 --micro-batch 8", "the nearest reachable global batches are 24 or 32"),
+    ("train --lr -1", "argument --lr: expected a finite number > 0, got -1"),
+    ("train --lr nan", "argument --lr: expected a finite number > 0, got nan"),
+    ("train --weight-decay -0.1", "argument --weight-decay: expected a finite number >= 0, got -0.1"),
+    ("train --min-lr-ratio 2", "argument --min-lr-ratio: expected a fraction from 0 to 1, got 2"),
+    ("train --warmup 50 --horizon 10", "--warmup 50 is longer than --horizon 10 (steps)"),
+    ("train --optimizer lamb", "argument --optimizer: invalid choice: 'lamb'"),
+    ("train --keep-checkpoints 0", "argument --keep-checkpoints: expected an integer >= 1, got 0"),
+    ("train --checkpoint-every -1", "argument --checkpoint-every: expected an integer >= 0, got -1"),
+    ("train --checkpoint-minutes -1", "argument --checkpoint-minutes: expected a finite number >= 0"),
+    ("train --eval-examples 0", "argument --eval-examples: expected an integer >= 1, got 0"),
+    ("train --threads 0", "argument --threads: expected an integer >= 1, got 0"),
+    ("train --seed -1", "argument --seed: expected an integer >= 0, got -1"),
+    ("train --device banana", "--device banana is not a device; use auto, cpu, cuda or cuda:N"),
+    ("train --resume nowhere", "no checkpoint at nowhere"),
+    ("train --resume auto", "--resume auto found no run folder with an intact checkpoint under runs/"),
+    ("train --runcard missing.json", "cannot read run card missing.json"),
+    (f"train --run-dir {FILE}", f"argument --run-dir: {FILE} is a file, not a folder"),
+    (f"train --run-dir {FILE}/run", f"argument --run-dir: {FILE} is a file, not a folder"),
     # scan
-    (["scan", "--accum-steps", "0"], "argument --accum-steps: expected an integer >= 1, got 0"),
-    (["scan", "--micro-batch", "3"], "--micro-batch 3 does not divide the batch of 8 examples"),
+    ("scan --accum-steps 0", "argument --accum-steps: expected an integer >= 1, got 0"),
+    ("scan --micro-batch 3", "--micro-batch 3 does not divide the batch of 8 examples"),
     # verify
-    (["verify", "--micro-batch", "3"], "--micro-batch 3 does not divide the batch of 8 examples"),
-    (["verify", "--sizes", "1,2"], "--sizes 1,2 sums to 3"),
-    (["verify", "--sizes", "a,b"], "--sizes takes comma-separated positive integers"),
-    (["verify", "--trace-steps", "999"], "--trace-steps 999 is longer than"),
-    (["verify", "--device", "banana"], "--device 'banana' is not a device"),
-    (["verify", "--dtype", "int8"], "argument --check-precision/--dtype: invalid choice: 'int8'"),
-    (
-        ["verify", "--cached"],
-        "cannot run through a gradient cache: its extras lack encode_fn and rep_loss_fn",
-    ),
+    ("verify --micro-batch 3", "--micro-batch 3 does not divide the batch of 8 examples"),
+    ("verify --sizes 1,2", "--sizes 1,2 sums to 3"),
+    ("verify --sizes a,b", "--sizes takes comma-separated positive integers"),
+    ("verify --trace-steps 999", "--trace-steps 999 is longer than"),
+    ("verify --device banana", "--device 'banana' is not a device"),
+    ("verify --dtype int8", "argument --check-precision/--dtype: invalid choice: 'int8'"),
+    ("verify --cached", "cannot run through a gradient cache: its extras lack encode_fn and rep_loss_fn"),
     # bench
-    (["bench", "--global-batch", "0"], "argument --global-batch: expected an integer >= 1, got 0"),
-    (["bench", "--configs", "3x2", "--global-batch", "8"], "must reach global batch 8 on dp=1"),
-    (["bench", "--configs", ","], "--configs ',' names no configuration"),
-    (["bench", "--memory-budget", "lots"], "a memory size is a number with an optional unit"),
-    (["bench", "--runs", "0"], "argument --runs: expected an integer >= 1, got 0"),
-    (["bench", "--dp", "0"], "argument --dp: expected an integer >= 1, got 0"),
-    (["bench", "--device", "banana"], "--device must be auto, cpu, cuda or cuda:N, got 'banana'"),
-    (["bench", "--timeout", "0"], "argument --timeout: expected a finite number > 0, got 0"),
-    (["bench", "--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: expected a finite number > 0, got -1"),
-    (["bench", "--out-dir", FILE], f"argument --out-dir: {FILE} is a file, not a folder"),
+    ("bench --global-batch 0", "argument --global-batch: expected an integer >= 1, got 0"),
+    ("bench --configs 3x2 --global-batch 8", "must reach global batch 8 on dp=1"),
+    ("bench --configs ,", "--configs ',' names no configuration"),
+    ("bench --memory-budget lots", "a memory size is a number with an optional unit"),
+    ("bench --runs 0", "argument --runs: expected an integer >= 1, got 0"),
+    ("bench --dp 0", "argument --dp: expected an integer >= 1, got 0"),
+    ("bench --device banana", "--device must be auto, cpu, cuda or cuda:N, got 'banana'"),
+    ("bench --timeout 0", "argument --timeout: expected a finite number > 0, got 0"),
+    ("bench --bucket-cap-mb -1", "argument --bucket-cap-mb: expected a finite number > 0, got -1"),
+    (f"bench --out-dir {FILE}", f"argument --out-dir: {FILE} is a file, not a folder"),
     # accept
-    (["accept", "--baseline", "8x4", "--candidate", "4x4"], "baseline 8x4 has global batch 32"),
-    (["accept", "--baseline", "0x4"], "plan 0x4: MICRO must be at least 1, got 0"),
-    (["accept", "--candidate", "4by8"], "a plan is written MICROxACCUM (e.g. 4x8) or MICROxDPxACCUM"),
-    (["accept", "--precision", "int8"], "argument --precision: invalid choice: 'int8'"),
-    (["accept", "--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
-    (["accept", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
-    (["accept", "--out-dir", FILE], f"argument --out-dir: {FILE} is a file, not a folder"),
-    (["accept", "--runs", "2"], "argument --runs: expected an integer >= 3, got 2"),
-    (["accept", "--margin", "-1"], "argument --margin: expected a finite number >= 0, got -1"),
-    (["accept", "--trace-steps", "0"], "argument --trace-steps: expected an integer >= 1, got 0"),
+    ("accept --baseline 8x4 --candidate 4x4", "baseline 8x4 has global batch 32"),
+    ("accept --baseline 0x4", "plan 0x4: MICRO must be at least 1, got 0"),
+    ("accept --candidate 4by8", "a plan is written MICROxACCUM (e.g. 4x8) or MICROxDPxACCUM"),
+    ("accept --precision int8", "argument --precision: invalid choice: 'int8'"),
+    ("accept --threads 0", "argument --threads: expected an integer >= 1, got 0"),
+    ("accept --warmup -1", "argument --warmup: expected an integer >= 0, got -1"),
+    (f"accept --out-dir {FILE}", f"argument --out-dir: {FILE} is a file, not a folder"),
+    ("accept --runs 2", "argument --runs: expected an integer >= 3, got 2"),
+    ("accept --margin -1", "argument --margin: expected a finite number >= 0, got -1"),
+    ("accept --trace-steps 0", "argument --trace-steps: expected an integer >= 1, got 0"),
     # plan (sizes are in PLAN_INPUT above)
-    (["plan", "--final-window", "sometimes"], "argument --final-window: invalid choice: 'sometimes'"),
+    ("plan --final-window sometimes", "argument --final-window: invalid choice: 'sometimes'"),
 ]
+HOSTILE = [(line.split(), says) for line, says in _HOSTILE_LINES]
+"""Command lines (split at spaces) that every command must refuse, and what its message says."""
 
 
 def _quick(argv: list[str]) -> list[str]:
@@ -350,26 +343,28 @@ def _quick(argv: list[str]) -> list[str]:
     ]
 
 
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The command's working directory, fresh: what it writes by a relative path lands here."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 def _hostile_id(value: object) -> str | None:
     return " ".join(value) if isinstance(value, list) else "-"
 
 
 @pytest.mark.parametrize(("argv", "says"), HOSTILE, ids=_hostile_id)
 def test_every_command_refuses_bad_input_with_exit_2_a_message_and_nothing_left_behind(
-    argv: list[str],
-    says: str,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str], says: str, workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / FILE).write_text("not a folder\n")
+    (workdir / FILE).write_text("not a folder\n")
     quick = _quick(argv) if argv[0] in ("accept", "bench") else []
     code, text = _run([*argv, *quick], capsys)
     assert code == 2, text
     assert says in " ".join(text.split()), text
     assert "Traceback" not in text and "Error:" not in text.replace("error:", ""), text
-    assert sorted(p.name for p in tmp_path.iterdir()) == [FILE], "nothing written"
+    assert sorted(p.name for p in workdir.iterdir()) == [FILE], "nothing written"
 
 
 # -- out of memory anywhere in a command: exit 1, the configuration and what to try -----------------
@@ -425,13 +420,8 @@ OOM = [
 
 @pytest.mark.parametrize(("argv", "advice"), OOM, ids=_hostile_id)
 def test_out_of_memory_exits_1_naming_the_configuration_and_what_to_try(
-    argv: list[str],
-    advice: str,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str], advice: str, workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.chdir(tmp_path)
     code, text = _run([*argv, *(["--run-dir", "run"] if argv[0] == "train" else [])], capsys)
     flat = " ".join(text.split())
     assert code == 1, text
@@ -439,7 +429,7 @@ def test_out_of_memory_exits_1_naming_the_configuration_and_what_to_try(
     assert f"with --workload {argv[2]}" in flat
     assert f"Try {advice}" in flat and "activation checkpointing in the workload's model" in flat
     assert "Traceback" not in text
-    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    assert not (workdir / "run").exists() or not any((workdir / "run").iterdir())
 
 
 def test_a_workload_beside_the_caller_is_found_and_a_missing_one_says_where_it_looked(

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from gradaccum.plan import BatchPlan
-from gradaccum.runcard import RunCard, read_runcard, write_runcard
+from gradaccum.runcard import read_runcard
 from gradaccum.step.config import AccumConfig
-from tests.train.common import one_thread, train_from_runcard
+from tests.train.common import one_thread, train_from_accum_card
 
 
 @pytest.fixture(autouse=True)
@@ -23,13 +23,12 @@ def _one_thread() -> Iterator[None]:
 def test_train_replays_window_batchnorm_statistics_from_the_run_card(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    card = tmp_path / "card.json"
     plan = BatchPlan(micro_batch=2, accum_steps=2, dp=1)
     accum = AccumConfig(batchnorm_stats="window")
-    write_runcard(RunCard(workload="gradaccum.examples:bn_cnn", plan=plan, accum=accum), card)
+    card, built, trained = train_from_accum_card(
+        tmp_path, monkeypatch, "gradaccum.examples:bn_cnn", plan, accum
+    )
     assert json.loads(card.read_text())["accum"]["batchnorm_stats"] == "window"
     assert read_runcard(card).accum == accum
-    built = train_from_runcard(card, tmp_path / "run", monkeypatch)
     assert [acc.config.batchnorm_stats for acc in built] == ["window"]
-    trained = json.loads((tmp_path / "run" / "runcard.json").read_text())
-    assert trained["accum"]["batchnorm_stats"] == "window"
+    assert trained["batchnorm_stats"] == "window"

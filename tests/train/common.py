@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from gradaccum.check.workload import Workload
 from gradaccum.cli.main import main
 from gradaccum.examples import tiny_gpt
 from gradaccum.plan import BatchPlan
+from gradaccum.runcard import RunCard, write_runcard
 from gradaccum.step.accumulator import Accumulator
+from gradaccum.step.config import AccumConfig
 from gradaccum.train import TrainConfig, TrainResult
 from gradaccum.train.schedule import ScheduleConfig
 
@@ -106,3 +109,21 @@ def train_from_runcard(
     monkeypatch.setattr(Accumulator, "from_config", spy)
     assert main(["train", "--runcard", str(card), "--steps", str(steps), "--run-dir", str(run_dir)]) == 0
     return built
+
+
+def train_from_accum_card(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    workload: str,
+    plan: BatchPlan,
+    accum: AccumConfig,
+    steps: int = 2,
+) -> tuple[Path, list[Accumulator], dict[str, Any]]:
+    """A run card of ``workload`` at ``plan`` with the settings ``accum``, trained from
+    (:func:`train_from_runcard`, into ``tmp_path / "run"``): the card, the accumulators train built,
+    and the ``accum`` settings of the run card train wrote."""
+    card = tmp_path / "card.json"
+    write_runcard(RunCard(workload=workload, plan=plan, accum=accum), card)
+    built = train_from_runcard(card, tmp_path / "run", monkeypatch, steps=steps)
+    trained = json.loads((tmp_path / "run" / "runcard.json").read_text())
+    return card, built, trained["accum"]
