@@ -19,7 +19,7 @@ from gradaccum.batch import split_sizes, take
 from gradaccum.errors import CountTypeError, PlanError, RunCardError
 from gradaccum.plan import factorizations
 from gradaccum.runcard import RunCard, read_runcard, write_runcard
-from tests.faults.common import AGREED_WITHIN_S, F64_RTOL, Outcome, bundle, ddp_mlp, grads, rel_err, run_all
+from tests.faults.common import AGREED_WITHIN_S, F64_RTOL, Outcome, ddp_mlp, grads, rel_err, scenario_outcomes
 from tests.helpers import models
 from tests.helpers.reference import full_batch_grads
 
@@ -236,13 +236,9 @@ SCENARIOS = {
 }
 
 
-def _scenarios(rank: int, world: int) -> dict[str, Outcome]:
-    return run_all(SCENARIOS, rank, world)
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, Outcome]]:
-    return bundle(_scenarios)
+    return scenario_outcomes(__name__)
 
 
 ONE_RANK = [
