@@ -23,7 +23,7 @@ expensive, build a workload whose batches are cheap index lists and load inside 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -104,32 +104,27 @@ class Window:
     """Valid units in the whole global batch (all ranks): the window's N."""
 
 
+@dataclass(eq=False)
 class ShardedStream:
     """Draws windows for one rank; stateless, so any window can be drawn in any order."""
 
-    def __init__(
-        self,
-        make_batch: Any,
-        count_fn: CountFn,
-        plan: BatchPlan,
-        *,
-        rank: int,
-        seed: int,
-        device: torch.device,
-        float_dtype: torch.dtype | None = None,
-        max_tokens: int | None = None,
-        equal_count: bool = False,
-    ) -> None:
-        self.make_batch = make_batch
-        self.count_fn = count_fn
-        self.plan = plan
-        self.rank = rank
-        self.seed = seed
-        self.device = device
-        self.float_dtype = float_dtype
-        self.max_tokens = max_tokens
-        self.equal_count = equal_count
-        self.start, self.stop = shard_bounds(plan, rank)
+    make_batch: Any
+    count_fn: CountFn
+    plan: BatchPlan
+    _: KW_ONLY
+    rank: int
+    seed: int
+    device: torch.device
+    float_dtype: torch.dtype | None = None
+    max_tokens: int | None = None
+    equal_count: bool = False
+    start: int = field(init=False)
+    """First example of each global batch that this rank trains on (``shard_bounds``)."""
+    stop: int = field(init=False)
+    """One past this rank's last example."""
+
+    def __post_init__(self) -> None:
+        self.start, self.stop = shard_bounds(self.plan, self.rank)
 
     def window(self, index: int, plan: BatchPlan | None = None) -> Window:
         """Window ``index``: this rank's micro-batches and the global batch's valid count.
