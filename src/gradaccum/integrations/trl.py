@@ -51,6 +51,7 @@ from gradaccum.integrations import transformers as hf
 from gradaccum.integrations.transformers import ExactConfig, ExactTrainer
 from gradaccum.rl.aggregation import EmptyRows, unit_count, unit_name
 from gradaccum.rl.rollout import ROLLOUT_NORMALIZATIONS, RolloutNormalization
+from gradaccum.values import require_choice
 
 __all__ = [
     "EXACT_AGGREGATIONS",
@@ -91,11 +92,7 @@ class ExactGRPOConfig:
     ``generation``: over the generation batch's units per update, N_gen / M (TRL's dapo)."""
 
     def __post_init__(self) -> None:
-        if self.normalize not in ROLLOUT_NORMALIZATIONS:
-            raise ConfigError(
-                f"ExactGRPOConfig.normalize must be one of {list(ROLLOUT_NORMALIZATIONS)}, "
-                f"got {self.normalize!r}"
-            )
+        require_choice("ExactGRPOConfig.normalize", self.normalize, ROLLOUT_NORMALIZATIONS)
 
 
 class ExactGRPOTrainer(GRPOTrainer):
