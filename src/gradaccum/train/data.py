@@ -109,15 +109,24 @@ class ShardedStream:
     """Draws windows for one rank; stateless, so any window can be drawn in any order."""
 
     make_batch: Any
+    """The workload's ``make_batch(n_examples, seed)``; window ``w`` draws ``train_seed(seed, w)``."""
     count_fn: CountFn
+    """Valid units of a batch: of the whole global batch, the window's N."""
     plan: BatchPlan
+    """The run's plan (a batch-size schedule hands each window its own)."""
     _: KW_ONLY
     rank: int
+    """This process's data-parallel rank: which contiguous shard of each global batch it trains on."""
     seed: int
+    """The run's data seed."""
     device: torch.device
+    """Where the micro-batches are moved."""
     float_dtype: torch.dtype | None = None
+    """Floating tensors are cast to it; ``None``: as drawn."""
     max_tokens: int | None = None
+    """Token budget per micro-batch (:func:`gradaccum.split_by_tokens`); ``None``: fixed micro-batches."""
     equal_count: bool = False
+    """With ``max_tokens``: the same number of micro-batches on every rank."""
     start: int = field(init=False)
     """First example of each global batch that this rank trains on (``shard_bounds``)."""
     stop: int = field(init=False)
