@@ -152,6 +152,7 @@ def run_arm(problem: Problem, arm: str, seed: int, fraction: float | None = None
     held_out = _held_out(problem, workload, seed)
     units, loss, t0 = 0, math.inf, time.perf_counter()
     plan = fixed
+    reached: tuple[int, int] | tuple[None, None] = (None, None)  # (updates, units) at the target
     for update in range(1, problem.max_updates + 1):
         plan = fixed if batch is None else batch.plan
         window = stream.window(update - 1, plan)
@@ -168,16 +169,11 @@ def run_arm(problem: Problem, arm: str, seed: int, fraction: float | None = None
         if update % problem.eval_every == 0:
             loss = held_out(model)
             if loss <= problem.target:
-                return Reached(
-                    updates=update,
-                    units=units,
-                    final_batch=plan.global_batch,
-                    final_loss=loss,
-                    wall_s=time.perf_counter() - t0,
-                )
+                reached = (update, units)
+                break
     return Reached(
-        updates=None,
-        units=None,
+        updates=reached[0],
+        units=reached[1],
         final_batch=plan.global_batch,
         final_loss=loss,
         wall_s=time.perf_counter() - t0,

@@ -18,7 +18,6 @@ token counts on the held-out set, averaged over the layers.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from options import parse_counts
 from paired import paired_ratios
 
 from gradaccum import Accumulator
@@ -145,12 +145,7 @@ def quality(mode: str, seed: int, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_counts(__doc__, rounds=20, steps=60)
     print(
         f"torch {torch.__version__}, {args.threads} thread(s); tiny Mixtral (2 layers, 8 experts, top-2, "
         f"width 32), k={K} micro-batches of {ROWS}x{SEQ} tokens"

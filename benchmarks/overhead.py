@@ -18,7 +18,6 @@ mean loss / k) and Fabric's ``no_backward_sync`` loop are timed in the same roun
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import statistics
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from options import parse_counts
 from paired import paired_ratios
 
 from gradaccum import Accumulator, split
@@ -177,12 +177,7 @@ def one_run(window: list[Any], rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_counts(__doc__, runs=5, rounds=30)
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.runs} runs of {args.rounds} "
         "rounds; paired ratio to the hand-written exact loop, median over runs (min..max)"

@@ -18,12 +18,12 @@ W/(N c) take device ops there), with "post by hand" beside them: overhead.py's f
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from options import parse_counts
 from paired import paired_differences
 
 from gradaccum import Accumulator
@@ -148,11 +148,7 @@ def _gpt_extra_seconds(rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=400)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_counts(__doc__, rounds=400)
     gen = torch.Generator().manual_seed(0)
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} paired rounds; "

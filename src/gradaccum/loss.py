@@ -21,6 +21,7 @@ from gradaccum.errors import ConfigError, CountError, CountTypeError, LossError
 from gradaccum.fielddocs import document_fields
 from gradaccum.names import NORMALIZATIONS, Normalization
 from gradaccum.packing import block_causal_mask, document_segments
+from gradaccum.values import require_choice
 
 __all__ = [
     "IGNORE_INDEX",
@@ -187,11 +188,7 @@ class CausalLMLoss:
     """Pass a block-diagonal causal 4D attention mask built from the documents to the model."""
 
     def __post_init__(self) -> None:
-        if self.normalization not in NORMALIZATIONS:
-            raise ConfigError(
-                f"CausalLMLoss normalization must be one of {list(NORMALIZATIONS)}, got "
-                f"{self.normalization!r}"
-            )
+        require_choice("CausalLMLoss normalization", self.normalization, NORMALIZATIONS)
         for name in ("shift", "mask_documents"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CausalLMLoss {name} must be True or False, got {getattr(self, name)!r}")

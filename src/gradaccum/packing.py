@@ -27,7 +27,7 @@ from typing import Literal, get_args
 import torch
 
 from gradaccum.errors import PlanError
-from gradaccum.values import require_int
+from gradaccum.values import require_choice, require_int
 
 __all__ = ["Overflow", "Packed", "block_causal_mask", "document_segments", "pack", "pad", "pieces"]
 
@@ -158,8 +158,7 @@ def _no_bool(value: bool, index: int) -> bool:
 def pieces(documents: Iterable[Sequence[int] | torch.Tensor], seq_len: int, overflow: Overflow) -> _Pieces:
     """The documents as rows see them: empty ones dropped, long ones cut as ``overflow`` says."""
     require_int("seq_len", seq_len, low=2, error=PlanError)
-    if overflow not in get_args(Overflow):
-        raise PlanError(f"overflow must be one of {list(get_args(Overflow))}, got {overflow!r}")
+    require_choice("overflow", overflow, get_args(Overflow), error=PlanError)
     out: list[list[int]] = []
     source = empty = split = truncated = 0
     for i, doc in enumerate(documents):

@@ -102,24 +102,24 @@ def test_the_float64_check_reorders_the_batch_into_every_ranks_micro_batches() -
     assert isinstance(rows["input_ids"], torch.Tensor)
 
 
-def test_a_token_budget_candidate_is_refused_where_it_cannot_run() -> None:
-    settings = MeasureSettings(steps=4, warmup=1)
-    with pytest.raises(BenchError, match="one window of rows per rank"):
+@pytest.mark.parametrize(
+    ("candidate", "quality_steps", "match"),
+    [
+        ((4, 4), None, "one window of rows per rank"),
+        ((16, 1), 2, "--quality-steps does not train a token-budget candidate"),
+    ],
+)
+def test_a_token_budget_candidate_is_refused_where_it_cannot_run(
+    candidate: tuple[int, int], quality_steps: int | None, match: str
+) -> None:
+    with pytest.raises(BenchError, match=match):
         AcceptSpec(
             baseline=plan(4, 4),
-            candidate=plan(4, 4),
+            candidate=plan(*candidate),
             candidate_max_tokens=BUDGET,
-            settings=settings,
+            settings=MeasureSettings(steps=4, warmup=1),
             block_updates=1,
-        )
-    with pytest.raises(BenchError, match="--quality-steps does not train a token-budget candidate"):
-        AcceptSpec(
-            baseline=plan(4, 4),
-            candidate=plan(16, 1),
-            candidate_max_tokens=BUDGET,
-            settings=settings,
-            block_updates=1,
-            quality_steps=2,
+            quality_steps=quality_steps,
         )
 
 

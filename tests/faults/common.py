@@ -9,6 +9,7 @@ pytest-timeout bounds each test, so a hang fails the test instead of stalling CI
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,16 @@ def run_all(scenarios: dict[str, Scenario], rank: int, world: int) -> dict[str, 
 def bundle(fn: Callable[..., Any], *args: Any, timeout_s: float = 150) -> list[dict[str, Outcome]]:
     """Every rank's outcomes of ``fn`` (a module-level ``run_all`` wrapper) on two gloo ranks."""
     return values(run_ranks(fn, *args, timeout_s=timeout_s))
+
+
+def _run_table(rank: int, world: int, module: str, table: str) -> dict[str, Outcome]:
+    return run_all(getattr(importlib.import_module(module), table), rank, world)
+
+
+def scenario_outcomes(module: str, table: str = "SCENARIOS") -> list[dict[str, Outcome]]:
+    """Every rank's outcomes of the scenarios dict ``table`` of test module ``module``, in one pair of
+    gloo ranks. The ranks import the table by name: its lambdas cannot be pickled to them."""
+    return bundle(_run_table, module, table)
 
 
 def ddp_mlp(seed: int = 0, **kwargs: Any) -> DDP:

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum import Accumulator, split
 from gradaccum.batch import take
-from tests.faults.common import AGREED_WITHIN_S, Outcome, bundle, ddp_mlp, params, run_all, same
+from tests.faults.common import AGREED_WITHIN_S, Outcome, ddp_mlp, params, same, scenario_outcomes
 from tests.helpers import models
 
 pytestmark = pytest.mark.distributed
@@ -147,13 +147,9 @@ SCENARIOS = {
 }
 
 
-def _scenarios(rank: int, world: int) -> dict[str, Outcome]:
-    return run_all(SCENARIOS, rank, world)
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, Outcome]]:
-    return bundle(_scenarios)
+    return scenario_outcomes(__name__)
 
 
 def _values(outcomes: list[dict[str, Outcome]], name: str) -> list[dict[str, Any]]:

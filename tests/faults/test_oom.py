@@ -20,13 +20,12 @@ from tests.faults.common import (
     F64_RTOL,
     Outcome,
     Trip,
-    bundle,
     ddp_mlp,
     ok_values,
     params,
     rel_err,
-    run_all,
     same,
+    scenario_outcomes,
 )
 from tests.helpers import models
 from tests.helpers.reference import full_batch_grads
@@ -279,13 +278,9 @@ SCENARIOS = {
 }
 
 
-def _scenarios(rank: int, world: int) -> dict[str, Outcome]:
-    return run_all(SCENARIOS, rank, world)
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, Outcome]]:
-    return bundle(_scenarios)
+    return scenario_outcomes(__name__)
 
 
 @pytest.mark.distributed

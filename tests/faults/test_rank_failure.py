@@ -22,12 +22,11 @@ from tests.faults.common import (
     AGREED_WITHIN_S,
     F64_RTOL,
     Trip,
-    bundle,
     ddp_mlp,
     grads,
     params,
     rel_err,
-    run_all,
+    scenario_outcomes,
 )
 from tests.helpers import models
 from tests.helpers.launcher import run_ranks
@@ -143,13 +142,9 @@ SCENARIOS = {
 }
 
 
-def _scenarios(rank: int, world: int) -> dict[str, Any]:
-    return run_all(SCENARIOS, rank, world)
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, Any]]:
-    return bundle(_scenarios)
+    return scenario_outcomes(__name__)
 
 
 def _reference() -> dict[str, torch.Tensor]:
@@ -297,13 +292,9 @@ GPT_SCENARIOS = {
 }
 
 
-def _gpt_scenarios(rank: int, world: int) -> dict[str, Any]:
-    return run_all(GPT_SCENARIOS, rank, world)
-
-
 @pytest.fixture(scope="module")
 def gpt_outcomes() -> list[dict[str, Any]]:
-    return bundle(_gpt_scenarios)
+    return scenario_outcomes(__name__, "GPT_SCENARIOS")
 
 
 def test_module_buffers_failure_is_agreed_and_a_broadcast_mismatch_is_refused_not_crashed(

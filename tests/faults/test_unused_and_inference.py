@@ -18,17 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradaccum import Accumulator
-from tests.faults.common import (
-    F64_RTOL,
-    Outcome,
-    bundle,
-    grads,
-    ok_values,
-    params,
-    rel_err,
-    run_all,
-    same,
-)
+from tests.faults.common import F64_RTOL, Outcome, grads, ok_values, params, rel_err, same, scenario_outcomes
 
 pytestmark = pytest.mark.distributed
 
@@ -147,13 +137,9 @@ SCENARIOS = {
 }
 
 
-def _scenarios(rank: int, world: int) -> dict[str, Outcome]:
-    return run_all(SCENARIOS, rank, world)
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, Outcome]]:
-    return bundle(_scenarios)
+    return scenario_outcomes(__name__)
 
 
 def test_item9_partly_used_parameters_get_the_full_batch_gradient_with_find_unused(

@@ -18,12 +18,11 @@ from tests.faults.common import (
     AGREED_WITHIN_S,
     F64_RTOL,
     Outcome,
-    bundle,
     ddp_mlp,
     grads,
     params,
     rel_err,
-    run_all,
+    scenario_outcomes,
 )
 from tests.helpers import models
 from tests.helpers.reference import full_batch_grads
@@ -134,13 +133,9 @@ SCENARIOS = {
 }
 
 
-def _scenarios(rank: int, world: int) -> dict[str, Outcome]:
-    return run_all(SCENARIOS, rank, world)
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, Outcome]]:
-    return bundle(_scenarios)
+    return scenario_outcomes(__name__)
 
 
 def _both(outcomes: list[dict[str, Outcome]], name: str) -> tuple[Outcome, Outcome]:

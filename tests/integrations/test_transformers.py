@@ -276,6 +276,8 @@ def test_settings_are_checked(tmp_path: Path) -> None:
             compute_loss_func=_mean_ce,
             exact=ExactConfig(loss_from_logits=True),
         )
+    with pytest.raises(ConfigError, match="exact must be a gradaccum ExactConfig, got dict"):
+        ExactTrainer(model=common.TinyLM(), args=training_args(tmp_path), exact={"label_shift": True})  # type: ignore[arg-type]
 
 
 # -- two processes ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ and more (bnpo, DPO: means of micro-batch means).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,27 +98,32 @@ def test_grpo_verify_accumulation_passes(grpo_runs: dict) -> None:
     assert report.grad_max_rel_err < 1e-12
 
 
+def _build_grpo(out: Path, steps_per_generation: int, policy: Callable[[Any], Any] = trl_common.model) -> Any:
+    """An ExactGRPO of k = 2 micro-batches of 2 completions (2 per prompt): building it is what refuses."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    tok = trl_common.tokenizer()
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=steps_per_generation,
+        num_generations=2,
+        **trl_common.COMMON,
+    )
+    return ExactGRPO(
+        model=policy(tok),
+        reward_funcs=[trl_common.reward],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": trl_common.PROMPTS}),
+        processing_class=tok,
+    )
+
+
 def test_grpo_refuses_an_update_spanning_two_generations(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"steps_per_generation \(1\) to be a multiple of"):
-        from datasets import Dataset
-        from trl import GRPOConfig
-
-        tok = trl_common.tokenizer()
-        args = GRPOConfig(
-            output_dir=str(tmp_path),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            steps_per_generation=1,
-            num_generations=2,
-            **trl_common.COMMON,
-        )
-        ExactGRPO(
-            model=trl_common.model(tok),
-            reward_funcs=[trl_common.reward],
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": trl_common.PROMPTS}),
-            processing_class=tok,
-        )
+        _build_grpo(tmp_path, steps_per_generation=1)
     with pytest.raises(ConfigError, match="normalize must be one of"):
         ExactGRPOConfig(normalize="window")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="takes a transformers.Trainer subclass"):
@@ -144,29 +150,14 @@ def test_dpo_update_is_the_mean_over_all_pairs(dpo_runs: dict) -> None:
 
 
 def test_grpo_refuses_an_moe_policy_with_its_balancing_loss(tmp_path: Path) -> None:
-    from datasets import Dataset
-    from trl import GRPOConfig
-
     from tests.helpers.moe import tiny_moe
 
-    tok = trl_common.tokenizer()
-    policy = tiny_moe("mixtral", layers=1)  # 4 experts, top-2, router_aux_loss_coef=0.05
-    policy.resize_token_embeddings(len(tok))
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        steps_per_generation=2,
-        num_generations=2,
-        **trl_common.COMMON,
-    )
+    def moe_policy(tok: Any) -> Any:
+        policy = tiny_moe("mixtral", layers=1)  # 4 experts, top-2, router_aux_loss_coef=0.05
+        policy.resize_token_embeddings(len(tok))
+        return policy
+
     with pytest.raises(
         ConfigError, match=r"MoE policy with its balancing loss \(router_aux_loss_coef=0.05\)"
     ):
-        ExactGRPO(
-            model=policy,
-            reward_funcs=[trl_common.reward],
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": trl_common.PROMPTS}),
-            processing_class=tok,
-        )
+        _build_grpo(tmp_path, steps_per_generation=2, policy=moe_policy)

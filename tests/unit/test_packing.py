@@ -96,6 +96,10 @@ def test_overflow_truncate_and_error() -> None:
     assert truncated.row_lengths == ((8,),) and truncated.truncated_tokens == 12
     with pytest.raises(PlanError, match="document 0 holds 20 tokens, more than seq_len=8"):
         gradaccum.pack([list(range(1, 21))], 8, overflow="error")
+    with pytest.raises(
+        PlanError, match=r"overflow must be one of \['split', 'truncate', 'error'\], got 'wrap'"
+    ):
+        pad([[1, 2]], 8, overflow="wrap")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

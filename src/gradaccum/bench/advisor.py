@@ -223,20 +223,26 @@ def _nothing_fits(rows: Sequence[Row], budget_bytes: float) -> Advice:
     wall = persistent_wall(
         lightest.persistent_bytes, budget_bytes, sharded_dp=lightest.plan.dp if lightest.fsdp else None
     )
-    if wall is not None:
-        if lightest.accum_buffer_bytes:
-            wall += (
-                f" Of the persistent term, {fmt_size(lightest.accum_buffer_bytes)} are the float32 sums of "
-                "accum_dtype: accum_dtype=None frees them, at the accumulation error gradaccum scan reports."
-            )
-        return Advice(
-            budget_bytes=budget_bytes,
-            outcome="persistent",
-            sentence=wall,
-            chosen=None,
-            compared=None,
-            fitting=(),
+    outcome: Outcome = "persistent"
+    if wall is None:
+        outcome, wall = "activations", _activations_over(rows, budget_bytes)
+    elif lightest.accum_buffer_bytes:
+        wall += (
+            f" Of the persistent term, {fmt_size(lightest.accum_buffer_bytes)} are the float32 sums of "
+            "accum_dtype: accum_dtype=None frees them, at the accumulation error gradaccum scan reports."
         )
+    return Advice(
+        budget_bytes=budget_bytes,
+        outcome=outcome,
+        sentence=wall,
+        chosen=None,
+        compared=None,
+        fitting=(),
+    )
+
+
+def _activations_over(rows: Sequence[Row], budget_bytes: float) -> str:
+    """The persistent state fits but no row's activations do: the smallest row, and what to measure."""
     smallest = min(rows, key=lambda r: r.memory_bytes)
     remedies = []
     if all(r.checkpointing == "none" for r in rows):
@@ -248,16 +254,8 @@ def _nothing_fits(rows: Sequence[Row], budget_bytes: float) -> Advice:
     if not remedies:
         remedies.append("sharding over more ranks, or a lighter optimizer")
     activations = smallest.memory_bytes - smallest.persistent_bytes
-    sentence = (
+    return (
         f"no measured configuration fits {fmt_size(budget_bytes)}: the smallest, {smallest.words()}, needs "
         f"{fmt_size(smallest.memory_bytes)} ({smallest.memory_kind}; {fmt_size(smallest.persistent_bytes)} "
         f"persistent, {fmt_size(activations)} besides); measure " + " or ".join(remedies)
-    )
-    return Advice(
-        budget_bytes=budget_bytes,
-        outcome="activations",
-        sentence=sentence,
-        chosen=None,
-        compared=None,
-        fitting=(),
     )

@@ -108,17 +108,10 @@ def _record_from(
     for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             data = json.loads(line[len(RESULT_PREFIX) :])
+            # the worker's record, with the spec as given here and this run's index
             if isinstance(spec, PairedSpec):
-                paired = PairedRecord.from_dict(data)
-                return dataclasses.replace(paired, spec=spec, run_index=run_index)
-            record = RunRecord.from_dict(data)
-            return RunRecord(
-                spec=spec,
-                status=record.status,
-                measurement=record.measurement,
-                error=record.error,
-                run_index=run_index,
-            )
+                return dataclasses.replace(PairedRecord.from_dict(data), spec=spec, run_index=run_index)
+            return dataclasses.replace(RunRecord.from_dict(data), spec=spec, run_index=run_index)
     tail = "\n".join(stderr.strip().splitlines()[-6:])
     why = f"the worker exited with code {code} without a result"
     if stopped:

@@ -234,23 +234,15 @@ class MeasureSettings:
         """One run's configuration: ``plan`` of ``workload`` measured with these settings, its
         accumulator scaling the gradients as ``scaling`` says (``max_tokens``: a token-budget arm,
         ``plan`` one window of the rows per rank)."""
+        per_run = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "runs"}
         return MeasureSpec(
             workload=workload,
             micro_batch=plan.micro_batch,
             accum_steps=plan.accum_steps,
             dp=plan.dp,
-            precision=self.precision,
-            defer_sync=self.defer_sync,
-            steps=self.steps,
-            warmup=self.warmup,
-            seed=self.seed,
-            device=self.device,
-            threads=self.threads,
-            bucket_cap_mb=self.bucket_cap_mb,
-            max_grad_norm=self.max_grad_norm,
-            compile=self.compile,
             scaling=scaling,
             max_tokens=max_tokens,
+            **per_run,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from gradaccum.hazards.scanner import scan
 from gradaccum.precision import dtype_name
 from gradaccum.step.accumulator import CountFn, LossFn
 from gradaccum.step.config import SCALINGS, Scaling
+from gradaccum.values import require_choice
 
 __all__ = [
     "GRAD_TOLERANCES",
@@ -115,8 +116,7 @@ def verify(
     ``scaling`` is the candidate accumulator's ``AccumConfig.scaling``: ``post`` checks the streamed
     window whose gradients are scaled once after it (the same tolerances: it adds one rounding).
     """
-    if scaling not in SCALINGS:
-        raise ConfigError(f"scaling must be one of {list(SCALINGS)}, got {scaling!r}")
+    require_choice("scaling", scaling, SCALINGS)
     if candidate_step is not None and scaling != "pre":
         raise ConfigError(
             f"scaling={scaling!r} sets the Accumulator that verify builds; a candidate_step replaces "

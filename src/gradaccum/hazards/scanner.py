@@ -346,38 +346,36 @@ def _router_finding(path: str, module: nn.Module, k: int, root: nn.Module) -> Fi
     if isinstance(experts, int):
         figures["num_experts"] = float(experts)
     off = _aux_loss_off(module, root)
+    severity: Severity
     if off is not None and not _has_capacity(module, root):
-        return Finding(
-            code="moe-router",
-            severity="info",
-            path=path,
-            kind=type(module).__name__,
-            summary="routes each token on its own: its balancing loss is off",
-            explanation=(
-                f"A mixture-of-experts router, but {off} and no expert capacity is set: each token's "
-                "experts depend on that token alone, so nothing couples the examples of a micro-batch "
-                f"and the update over {k} micro-batches is exact (verify measures it). Turning the "
-                "balancing loss on (output_router_logits=True) makes it a per-forward batch statistic."
-            ),
-            fix=f"None needed while the balancing loss is off. With it on: {_LOAD_BALANCE}.",
-            figures=figures,
+        severity, summary = "info", "routes each token on its own: its balancing loss is off"
+        explanation = (
+            f"A mixture-of-experts router, but {off} and no expert capacity is set: each token's "
+            "experts depend on that token alone, so nothing couples the examples of a micro-batch "
+            f"and the update over {k} micro-batches is exact (verify measures it). Turning the "
+            "balancing loss on (output_router_logits=True) makes it a per-forward batch statistic."
         )
-    return Finding(
-        code="moe-router",
-        severity="error",
-        path=path,
-        kind=type(module).__name__,
-        summary="routes tokens with load-balancing statistics computed per forward",
-        explanation=(
+        fix = f"None needed while the balancing loss is off. With it on: {_LOAD_BALANCE}."
+    else:
+        severity, summary = "error", "routes tokens with load-balancing statistics computed per forward"
+        explanation = (
             "A balancing loss multiplies each expert's fraction of tokens by its mean router "
             f"probability, both averaged over one forward: over {k} micro-batches the sum of products "
             "of micro-batch means is not the product of the batch means, and expert capacity (where "
             "tokens are dropped) is computed per forward too."
-        ),
-        fix=(
+        )
+        fix = (
             f"balance over the window: {_LOAD_BALANCE}; or accept the difference and let verify "
             "measure it (it reports how far lagged and micro-batch balancing are from exact)."
-        ),
+        )
+    return Finding(
+        code="moe-router",
+        severity=severity,
+        path=path,
+        kind=type(module).__name__,
+        summary=summary,
+        explanation=explanation,
+        fix=fix,
         figures=figures,
     )
 

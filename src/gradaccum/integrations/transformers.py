@@ -61,6 +61,7 @@ from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError, CountError, EquivalenceError, LossError
 from gradaccum.integrations.trainer_balance import own_term_off, trainer_balance
 from gradaccum.loss import IGNORE_INDEX, valid_tokens
+from gradaccum.values import settings_or_default
 
 __all__ = ["ExactConfig", "ExactTrainer", "exact_trainer"]
 
@@ -137,11 +138,7 @@ class ExactTrainer(Trainer):
 
     def __init__(self, *args: Any, exact: ExactConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if exact is None:
-            exact = ExactConfig()
-        if not isinstance(exact, ExactConfig):
-            raise ConfigError(f"exact must be a gradaccum ExactConfig, got {type(exact).__name__}")
-        self.exact = exact
+        self.exact = exact = settings_or_default("exact", exact, ExactConfig)
         _refuse_unsupported(self)
         if self.args.average_tokens_across_devices:
             # compute_loss would multiply by the world size; the W of W/N lives in the divisor here

@@ -51,6 +51,7 @@ from gradaccum.integrations import transformers as hf
 from gradaccum.integrations.transformers import ExactConfig, ExactTrainer
 from gradaccum.rl.aggregation import EmptyRows, unit_count, unit_name
 from gradaccum.rl.rollout import ROLLOUT_NORMALIZATIONS, RolloutNormalization
+from gradaccum.values import require_choice, settings_or_default
 
 __all__ = [
     "EXACT_AGGREGATIONS",
@@ -91,11 +92,7 @@ class ExactGRPOConfig:
     ``generation``: over the generation batch's units per update, N_gen / M (TRL's dapo)."""
 
     def __post_init__(self) -> None:
-        if self.normalize not in ROLLOUT_NORMALIZATIONS:
-            raise ConfigError(
-                f"ExactGRPOConfig.normalize must be one of {list(ROLLOUT_NORMALIZATIONS)}, "
-                f"got {self.normalize!r}"
-            )
+        require_choice("ExactGRPOConfig.normalize", self.normalize, ROLLOUT_NORMALIZATIONS)
 
 
 class ExactGRPOTrainer(GRPOTrainer):
@@ -111,11 +108,7 @@ class ExactGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args: Any, exact: ExactGRPOConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if exact is None:
-            exact = ExactGRPOConfig()
-        if not isinstance(exact, ExactGRPOConfig):
-            raise ConfigError(f"exact must be a gradaccum ExactGRPOConfig, got {type(exact).__name__}")
-        self.exact = exact
+        self.exact = settings_or_default("exact", exact, ExactGRPOConfig)
         self.exact_aggregation = _aggregation_of(self)
         """The aggregation trained (``EXACT_AGGREGATIONS[loss_type]``)."""
         _refuse_unsupported_grpo(self)
@@ -350,10 +343,7 @@ class ExactDPOTrainer(_ExactDPO, DPOTrainer):
 
 
 def _pair_config(exact: ExactConfig | None) -> ExactConfig:
-    if exact is None:
-        return ExactConfig(count_fn=count_pairs, loss_from_logits=False)
-    if not isinstance(exact, ExactConfig):
-        raise ConfigError(f"exact must be a gradaccum ExactConfig, got {type(exact).__name__}")
+    exact = settings_or_default("exact", exact, ExactConfig)
     if exact.count_fn is None:
         return dataclasses.replace(exact, count_fn=count_pairs, loss_from_logits=False)
     return exact

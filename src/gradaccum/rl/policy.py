@@ -31,6 +31,7 @@ from gradaccum.rl.aggregation import (
 )
 from gradaccum.rl.inputs import MODEL_KEYS, policy_inputs
 from gradaccum.rl.objective import per_token_loss, token_logprobs
+from gradaccum.values import require_choice
 
 __all__ = ["PolicyLoss", "model_logits"]
 
@@ -65,14 +66,8 @@ class PolicyLoss:
     grpo/dr_grpo divide); see :mod:`gradaccum.rl.aggregation`."""
 
     def __post_init__(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(
-                f"PolicyLoss aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}"
-            )
-        if self.empty_rows not in EMPTY_ROWS:
-            raise ConfigError(
-                f"PolicyLoss empty_rows must be one of {list(EMPTY_ROWS)}, got {self.empty_rows!r}"
-            )
+        require_choice("PolicyLoss aggregation", self.aggregation, AGGREGATIONS)
+        require_choice("PolicyLoss empty_rows", self.empty_rows, EMPTY_ROWS)
         for name in ("clip_eps", "kl_coef"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -27,6 +27,7 @@ from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
 from gradaccum.rl.objective import token_logprobs
 from gradaccum.rl.policy import model_logits
+from gradaccum.values import require_choice
 
 __all__ = ["PREFERENCE_OBJECTIVES", "PreferenceLoss", "PreferenceObjective"]
 
@@ -57,11 +58,7 @@ class PreferenceLoss:
     """DPO's inverse temperature, IPO's regularization (tau); > 0."""
 
     def __post_init__(self) -> None:
-        if self.objective not in PREFERENCE_OBJECTIVES:
-            raise ConfigError(
-                f"PreferenceLoss objective must be one of {list(PREFERENCE_OBJECTIVES)}, "
-                f"got {self.objective!r}"
-            )
+        require_choice("PreferenceLoss objective", self.objective, PREFERENCE_OBJECTIVES)
         beta = self.beta
         if (
             isinstance(beta, bool)

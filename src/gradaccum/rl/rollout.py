@@ -24,7 +24,7 @@ import torch.nn as nn
 from gradaccum.batch import Batch, batch_size, split
 from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError, PlanError
-from gradaccum.values import is_int
+from gradaccum.values import is_int, require_choice
 
 __all__ = ["ROLLOUT_NORMALIZATIONS", "RolloutNormalization", "RolloutUpdate", "rollout_updates"]
 
@@ -86,10 +86,7 @@ def rollout_updates(
     ``loss_fn`` and ``count_fn``). Under DDP every rank calls this with the same ``updates`` and
     ``normalize``; ``"generation"`` sums the counts over the ranks (one all-reduce).
     """
-    if normalize not in ROLLOUT_NORMALIZATIONS:
-        raise ConfigError(
-            f"rollout_updates normalize must be one of {list(ROLLOUT_NORMALIZATIONS)}, got {normalize!r}"
-        )
+    require_choice("rollout_updates normalize", normalize, ROLLOUT_NORMALIZATIONS)
     if not is_int(updates) or updates < 1:
         raise ConfigError(f"rollout_updates updates must be a positive int, got {updates!r}")
     rows = batch_size(rollout)

@@ -23,7 +23,7 @@ expensive, build a workload whose batches are cheap index lists and load inside 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -104,32 +104,36 @@ class Window:
     """Valid units in the whole global batch (all ranks): the window's N."""
 
 
+@dataclass(eq=False)
 class ShardedStream:
     """Draws windows for one rank; stateless, so any window can be drawn in any order."""
 
-    def __init__(
-        self,
-        make_batch: Any,
-        count_fn: CountFn,
-        plan: BatchPlan,
-        *,
-        rank: int,
-        seed: int,
-        device: torch.device,
-        float_dtype: torch.dtype | None = None,
-        max_tokens: int | None = None,
-        equal_count: bool = False,
-    ) -> None:
-        self.make_batch = make_batch
-        self.count_fn = count_fn
-        self.plan = plan
-        self.rank = rank
-        self.seed = seed
-        self.device = device
-        self.float_dtype = float_dtype
-        self.max_tokens = max_tokens
-        self.equal_count = equal_count
-        self.start, self.stop = shard_bounds(plan, rank)
+    make_batch: Any
+    """The workload's ``make_batch(n_examples, seed)``; window ``w`` draws ``train_seed(seed, w)``."""
+    count_fn: CountFn
+    """Valid units of a batch: of the whole global batch, the window's N."""
+    plan: BatchPlan
+    """The run's plan (a batch-size schedule hands each window its own)."""
+    _: KW_ONLY
+    rank: int
+    """This process's data-parallel rank: which contiguous shard of each global batch it trains on."""
+    seed: int
+    """The run's data seed."""
+    device: torch.device
+    """Where the micro-batches are moved."""
+    float_dtype: torch.dtype | None = None
+    """Floating tensors are cast to it; ``None``: as drawn."""
+    max_tokens: int | None = None
+    """Token budget per micro-batch (:func:`gradaccum.split_by_tokens`); ``None``: fixed micro-batches."""
+    equal_count: bool = False
+    """With ``max_tokens``: the same number of micro-batches on every rank."""
+    start: int = field(init=False)
+    """First example of each global batch that this rank trains on (``shard_bounds``)."""
+    stop: int = field(init=False)
+    """One past this rank's last example."""
+
+    def __post_init__(self) -> None:
+        self.start, self.stop = shard_bounds(self.plan, self.rank)
 
     def window(self, index: int, plan: BatchPlan | None = None) -> Window:
         """Window ``index``: this rank's micro-batches and the global batch's valid count.

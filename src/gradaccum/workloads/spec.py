@@ -8,7 +8,7 @@ Values are percent-encoded, so any path fits. No torch here: the command line pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode
 
@@ -68,15 +68,7 @@ class HFSpec:
     def with_absolute_paths(self) -> HFSpec:
         """The same spec with the folder and file resolved, for processes started elsewhere."""
         data = None if self.data is None else str(Path(self.data).expanduser().resolve())
-        model_dir = str(Path(self.model_dir).expanduser().resolve())
-        return HFSpec(
-            model_dir=model_dir,
-            data=data,
-            text_field=self.text_field,
-            seq_len=self.seq_len,
-            pack=self.pack,
-            normalization=self.normalization,
-        )
+        return replace(self, model_dir=str(Path(self.model_dir).expanduser().resolve()), data=data)
 
     @classmethod
     def parse(cls, spec: str) -> HFSpec:

@@ -71,25 +71,16 @@ def policy_model(
     k = accum_steps
     scatters = 1 if policy == "defer" else k
     reduces = k if policy == "every" else 1
-    out = []
-    if shard > 1:
-        out.append(
-            Traffic(
-                collective="reduce_scatter",
-                dimension=shard_dim,
-                calls=scatters * units,
-                bytes=scatters * grad_bytes,
-            )
-        )
-    if replicate > 1:
-        out.append(
-            Traffic(
-                collective="all_reduce",
-                dimension=replicate_dim,
-                calls=reduces * units,
-                bytes=reduces * grad_bytes // shard,
-            )
-        )
+    # (ranks in the group, collective, dimension, calls per FSDP2 unit, bytes per update)
+    reductions = (
+        (shard, "reduce_scatter", shard_dim, scatters, scatters * grad_bytes),
+        (replicate, "all_reduce", replicate_dim, reduces, reduces * grad_bytes // shard),
+    )
+    out = [
+        Traffic(collective=collective, dimension=dim, calls=calls * units, bytes=size)
+        for ranks, collective, dim, calls, size in reductions
+        if ranks > 1
+    ]
     out.append(Traffic(collective="all_reduce", dimension="world", calls=STEP_ALL_REDUCES, bytes=None))
     return tuple(out)
 
