@@ -22,6 +22,7 @@ from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.face import EngineFace
 from gradaccum.step.noise import NoiseScale
+from gradaccum.step.plain import plain_window
 from gradaccum.step.post_scaling import PostScalingEngine
 from gradaccum.step.stream import declared_length
 from gradaccum.step.window import ZERO_COUNT, Backward, Contribution, CountFn, Observer, WindowCount
@@ -103,6 +104,8 @@ class Accumulator(EngineFace):
             backward=backward,
             balance=balancer,
         )
+        # decided once: a plain step skips what only distributed or optional features use
+        self._plain = plain_window(self._engine, balance=balancer)
 
     @classmethod
     def from_config(
@@ -139,6 +142,8 @@ class Accumulator(EngineFace):
                 f"length={length!r} declares a streamed window's size and applies with scaling='post'; "
                 "with scaling='pre' the step reads the whole window first. Drop length=."
             )
+        if self._plain is not None and self._plain.applies():
+            return self._plain.step(window, loss_fn, count_fn)
         micro_batches, failure = engine.open(window)
         model, scaler, balance = engine.model, engine.scaler, engine.balance
         if balance is not None:

@@ -121,7 +121,7 @@ def sum_counts(
     device_counts = [c for c in counts if not isinstance(c, int)]
     host_counts = 0 if len(device_counts) == len(counts) else sum(c for c in counts if isinstance(c, int))
     if not device_counts:
-        return torch.tensor(float(host_counts), dtype=torch.float64, device=device), None
+        return torch.full((), float(host_counts), dtype=torch.float64, device=device), None  # 3 us < tensor()
     stacked = torch.stack(device_counts)
     if stacked.device != device:
         stacked = stacked.to(device=device, non_blocking=True)

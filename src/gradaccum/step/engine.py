@@ -14,9 +14,10 @@ Every front end composes this engine: :class:`~gradaccum.step.accumulator.Accumu
 of each micro-batch, :class:`~gradaccum.cache.accumulator.CachedAccumulator` the replayed representations
 times their cached gradients, the pipeline its schedule's losses; post-scaling
 (:mod:`gradaccum.step.post_scaling`) is this engine with phases 1-3 streamed and the gradients scaled once
-before phase 4. What flows between the phases is :mod:`gradaccum.step.window`; phase 4's reduction is
-:mod:`gradaccum.step.settle`, its update :mod:`gradaccum.step.update`; the objects refused at construction
-are :mod:`gradaccum.step.objects`, the saved state :mod:`gradaccum.step.state`. The phases are
+before phase 4, a plain one-process step (:mod:`gradaccum.step.plain`) its phases 2-3 bare. What flows
+between the phases is :mod:`gradaccum.step.window`; phase 4's reduction is :mod:`gradaccum.step.settle`,
+its update :mod:`gradaccum.step.update`; the objects refused at construction are
+:mod:`gradaccum.step.objects`, the saved state :mod:`gradaccum.step.state`. The phases are
 
 1. :meth:`WindowEngine.open`: materialize the window (a failure here is *returned*, for 2);
 2. :meth:`WindowEngine.count`: count every micro-batch and agree on N across ranks: collective 1,
@@ -253,8 +254,7 @@ class WindowEngine:
         return state
 
     def settle_counters(self) -> None:
-        """Bring counters kept on the device to the host: nothing to do here, where every verdict
-        is read on the host (post-scaling's device verdict overrides it)."""
+        """Bring device-kept counters to the host: none here (post-scaling's device verdict has some)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, refusing missing, unknown or negative values. A part this
@@ -467,9 +467,9 @@ class WindowEngine:
             loss = torch.tensor(reduced[0], dtype=torch.float64, device=self.device)
             rejected = torch.tensor(reduced[1], dtype=torch.float64, device=self.device)
             return Accumulated(loss, rejected, True, len(micro_batches))
-        loss = torch.stack(losses).sum(dtype=torch.float64) if losses else self._zero
-        rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self._zero
-        return Accumulated(loss, rejected, False, len(micro_batches))
+        rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self.settler.zero
+        summed = None if losses else self._zero  # the losses are added up in settle, beside the verdict
+        return Accumulated(summed, rejected, False, len(micro_batches), tuple(losses))
 
     def conclude(
         self,

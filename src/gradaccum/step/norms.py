@@ -83,9 +83,9 @@ def nonfinite_flag(
     device = grads[0].device
     if one is None or one.device != device:
         one = torch.ones(1, dtype=torch.float32, device=device)
-    found = torch.zeros(1, dtype=torch.float32, device=device)
+    found = torch.zeros((), dtype=torch.float32, device=device)  # 0-dim, as GradScaler's own
     _nonfinite_check(grads if isinstance(grads, list) else list(grads), found, one)
-    return found.reshape(())
+    return found
 
 
 def scale_grads_(

@@ -334,7 +334,7 @@ class PostScalingEngine(WindowEngine):
         # non-finite value, the fused flag is non-zero for a non-finite gradient; one vector, so
         # the verdict is a few small device ops, not one per condition
         negative = counted.min_count < 0 if counted.min_count is not None else None
-        terms = [accumulated.loss * 0, n == 0]
+        terms = [accumulated.loss_sum() * 0, n == 0]
         if negative is not None:
             terms.append(negative)
         if config.skip_nonfinite and gradient is not None:
@@ -363,7 +363,7 @@ class PostScalingEngine(WindowEngine):
         applied = change[0]
         result = DeviceStepResult(
             (
-                accumulated.loss,
+                accumulated.loss_sum(),
                 n,
                 counted.local_count,
                 applied,

@@ -72,8 +72,13 @@ class WindowSettler:
         still_local = distributed and not accumulated.loss_is_global
         squares = self.layout is not None and gradient is not None
         ledger = Ledger(self.device)
-        if objective is None:
-            ledger.add("loss", accumulated.loss, summed=still_local)
+        # one process adds the micro-batches' losses on the host, as read_alone does (the same bits)
+        added_here = objective is None and accumulated.loss is None and not distributed
+        if added_here:
+            ledger.add("loss", self.zero, summed=False)
+            ledger.add("losses", torch.stack(accumulated.losses), summed=False)
+        elif objective is None:
+            ledger.add("loss", accumulated.loss_sum(), summed=still_local)
         else:  # the objective is computed identically on every rank: never summed
             ledger.add("loss", objective.detach(), summed=False)
         ledger.add("rejected", accumulated.rejected, summed=still_local)
@@ -99,6 +104,8 @@ class WindowSettler:
         what = "the window's loss" if noise is None else "the window's loss and noise-scale sums"
         settled = ledger.settle(self.group, what=what, distributed=distributed)
         totals = settled.unpack(WindowTotals)
+        if added_here:
+            totals = dataclasses.replace(totals, loss=math.fsum(settled.value("losses")))  # type: ignore[arg-type]
         if batchnorm is not None:
             batchnorm.receive(settled.device("batchnorm"))
         if noise is not None:
@@ -119,21 +126,30 @@ class WindowSettler:
         objective: torch.Tensor | None,
         gradient: torch.Tensor | None,
     ) -> WindowTotals | None:
-        """One process, nothing to reduce: the six figures in one stack and one read (the ledger
-        packs them one by one, ~40 us more on every update); ``None`` when they are not all 0-dim
-        on one device, for the ledger to pack."""
-        figures = (
-            accumulated.loss if objective is None else objective.detach(),
-            accumulated.rejected,
+        """One process, nothing to reduce: the figures in one stack and one read (the ledger packs
+        them one by one, ~40 us more on every update), the micro-batches' losses among them, added
+        on the host (``math.fsum``: rounded once); ``None`` when they are not all 0-dim on one
+        device, for the ledger to pack."""
+        losses = accumulated.losses if objective is None else (objective.detach(),)
+        if not losses:
+            losses = (accumulated.loss_sum(),)
+        figures = [
+            *losses,
             self.zero if gradient is None else gradient,
             counted.global_count,
             counted.local_count,
             self.zero if counted.min_count is None else counted.min_count,
-        )
+        ]
+        no_vetoes = accumulated.rejected is self.zero  # known on the host: not read
+        if not no_vetoes:
+            figures.append(accumulated.rejected)
         try:  # one device and all 0-dim, or stack refuses them (cheaper than checking each)
             stacked = torch.stack(figures)
         except RuntimeError:
             return None
-        if stacked.ndim != 1:
+        if stacked.ndim != 1 or stacked.dtype != torch.float64:  # float64: counts exact below 2**53
             return None
-        return WindowTotals(*stacked.to(torch.float64).tolist())
+        values = stacked.tolist()
+        rejected = 0.0 if no_vetoes else values.pop()
+        *summands, flag, global_count, local_count, smallest = values
+        return WindowTotals(math.fsum(summands), rejected, flag, global_count, local_count, smallest)

@@ -52,6 +52,14 @@ class OptimizerUpdate:
         self.norm_holders = layout.world // layout.pp if layout is not None else 1
         self.one = torch.ones(1, dtype=torch.float32, device=device)  # the fused check's unit scale
         self.device = device
+        # finiteness from the fused check alone, decided once: nothing else reads the norm, and the
+        # gradients are whole on this rank (a shard's check would be local to the shard)
+        self.check_only = (
+            config.skip_nonfinite
+            and not (config.wants_norm or config.noise_scale)
+            and kind in ("local", "ddp")
+            and layout is None
+        )
         # accum_dtype: narrow gradients summed wide (step/accum_dtype.py), rounded once after clipping
         self.wide = wide_gradients(config.accum_dtype, synced, kind, config.policy, layout, pipeline=False)
 
@@ -66,15 +74,14 @@ class OptimizerUpdate:
         the squared norm (:func:`gradaccum.mesh.reduction.local_squares`): it rides in the
         end-of-window all-reduce, and the engine's settle returns the norm.
         """
+        if self.check_only:
+            flag = nonfinite_flag(grads, uniform=self.uniform, one=self.one)
+            if flag is not None:
+                return None, flag
         config = self.config
         needs_norm = config.wants_norm or config.skip_nonfinite or noise
         if self.layout is not None:
             return None, local_squares(grads, self.norm_holders, self.device) if needs_norm else None
-        fused = not noise and self.kind in ("local", "ddp")
-        if config.skip_nonfinite and not config.wants_norm and fused:
-            flag = nonfinite_flag(grads, uniform=self.uniform, one=self.one)
-            if flag is not None:
-                return None, flag
         if needs_norm:
             norm = self.grad_norm(grads, None)
             return norm, norm
