@@ -55,8 +55,6 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError, SyncError
 from gradaccum.step.checks import check_loss, unmean
@@ -64,7 +62,7 @@ from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.external import ExternalOutcome
 from gradaccum.step.face import EngineFace
-from gradaccum.step.window import ZERO_COUNT, Contribution, CountFn
+from gradaccum.step.window import ZERO_COUNT, CastScale, Contribution, CountFn
 
 __all__ = ["DeepSpeedAccumulator", "DeepSpeedStep", "prepare_accumulator"]
 
@@ -159,8 +157,7 @@ class DeepSpeedAccumulator(EngineFace):
             return engine.skip(0, 0, len(micro_batches), None, ZERO_COUNT)
         mean = engine.config.loss_reduction == "mean"
         # each micro-batch adds sum_t l_t / N; DeepSpeed then averages over W ranks: scale by W / N
-        scale64 = counted.scale()
-        scales: dict[torch.dtype, torch.Tensor] = {}
+        scale = CastScale(counted.scale())
         counts = counted.counts
         last = len(micro_batches) - 1
 
@@ -170,12 +167,9 @@ class DeepSpeedAccumulator(EngineFace):
             loss = check_loss(loss_fn(ds, mb), i)
             if mean:
                 loss = unmean(loss, counts[i], i)
-            scale = scales.get(loss.dtype)
-            if scale is None:
-                scale = scales[loss.dtype] = scale64.to(loss.dtype)
             # a new tensor, never the forward's output itself: at stage 0 DeepSpeed divides an output
             # by gradient_accumulation_steps in a hook unless engine.backward's hook ran first
-            return Contribution(loss * scale, loss.detach())
+            return Contribution(loss * scale.to(loss.dtype), loss.detach())
 
         accumulated = engine.accumulate(micro_batches, contribute)
         return engine.conclude(counted, accumulated)

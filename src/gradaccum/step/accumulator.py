@@ -25,7 +25,15 @@ from gradaccum.step.noise import NoiseScale
 from gradaccum.step.plain import plain_window
 from gradaccum.step.post_scaling import PostScalingEngine
 from gradaccum.step.stream import declared_length
-from gradaccum.step.window import ZERO_COUNT, Backward, Contribution, CountFn, Observer, WindowCount
+from gradaccum.step.window import (
+    ZERO_COUNT,
+    Backward,
+    CastScale,
+    Contribution,
+    CountFn,
+    Observer,
+    WindowCount,
+)
 
 __all__ = [
     "ZERO_COUNT",
@@ -154,8 +162,7 @@ class Accumulator(EngineFace):
             return engine.skip(0, 0, len(micro_batches), None, ZERO_COUNT)
         mean = engine.config.loss_reduction == "mean"
         # each micro-batch adds sum_t l_t / N; DDP then averages over W ranks, so scale by W / N
-        scale64 = counted.scale()
-        scales: dict[torch.dtype, torch.Tensor] = {}
+        scale = CastScale(counted.scale())
         counts = counted.counts
 
         def contribute(i: int, mb: Any) -> Contribution:
@@ -165,10 +172,7 @@ class Accumulator(EngineFace):
                 loss, term, rejected = balanced_forward(balance, i, mb, model, loss_fn)
             if mean:
                 loss = unmean(loss, counts[i], i)
-            scale = scales.get(loss.dtype)
-            if scale is None:
-                scale = scales[loss.dtype] = scale64.to(loss.dtype)
-            contribution = loss * scale
+            contribution = loss * scale.to(loss.dtype)
             if term is not None:  # its part of the window's term; DDP averages over W ranks, so times W
                 contribution = contribution + (term * counted.factor).to(loss.dtype)
             if scaler is not None:

@@ -27,7 +27,7 @@ from gradaccum.errors import WindowError
 from gradaccum.step.agreement import LocalFailure, raise_alone
 from gradaccum.step.checks import as_count, check_loss, sum_counts, unmean
 from gradaccum.step.config import StepResult
-from gradaccum.step.window import Accumulated, CountFn, WindowCount
+from gradaccum.step.window import Accumulated, CastScale, CountFn, WindowCount
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -82,9 +82,7 @@ class PlainWindow:
         local_count, min_count = sum_counts(counts, engine.device)
         counted = WindowCount(counts, local_count, local_count, None, min_count, 1, engine.factor)
         engine.zero_grad()
-        # each micro-batch adds sum_t l_t / N; the scale in float64, cast once per loss dtype
-        scale64 = counted.scale()
-        scales: dict[torch.dtype, torch.Tensor] = {}
+        scale = CastScale(counted.scale())  # each micro-batch adds sum_t l_t / N
         model, backward, emit, mean = engine.model, engine.backward, engine.emit, self.mean
         losses: list[torch.Tensor] = []
         for i, mb in enumerate(micro_batches):
@@ -94,12 +92,9 @@ class PlainWindow:
                 loss = check_loss(loss_fn(model, mb), i)
                 if mean:
                     loss = unmean(loss, counts[i], i)
-                scale = scales.get(loss.dtype)
-                if scale is None:
-                    scale = scales[loss.dtype] = scale64.to(loss.dtype)
                 losses.append(loss.detach())
                 phase = "backward"
-                backward(loss * scale)
+                backward(loss * scale.to(loss.dtype))
             except Exception as exc:
                 engine.zero_grad()
                 raise_alone(LocalFailure(exc, phase, i), recoverable=True)

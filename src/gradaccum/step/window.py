@@ -18,6 +18,7 @@ __all__ = [
     "ZERO_COUNT",
     "Accumulated",
     "Backward",
+    "CastScale",
     "Contribute",
     "Contribution",
     "CountFn",
@@ -90,6 +91,23 @@ class WindowCount:
             # (1/N) * (W/c) is (1/N * W) / c to the bit: c is a power of two; one device op fewer
             return torch.reciprocal(self.global_count.clamp(min=1)).mul_(self.factor / self.post)
         return self.scale() / self.post
+
+
+class CastScale:
+    """W/N, computed in float64 once per window, cast once to each dtype a loss has (a window's
+    losses usually share one): a float64 model multiplies by the full-precision scale."""
+
+    __slots__ = ("_casts", "_scale")
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self._scale = scale
+        self._casts: dict[torch.dtype, torch.Tensor] = {}
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        cast = self._casts.get(dtype)
+        if cast is None:
+            cast = self._casts[dtype] = self._scale.to(dtype)
+        return cast
 
 
 class Contribution(NamedTuple):
