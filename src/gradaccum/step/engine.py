@@ -85,7 +85,7 @@ from gradaccum.step.external import ExternalStep
 from gradaccum.step.ledger import Ledger
 from gradaccum.step.meetings import Meetings
 from gradaccum.step.noise import NoiseScale, noise_meter
-from gradaccum.step.norms import uniform_plain
+from gradaccum.step.norms import present_grads, uniform_plain
 from gradaccum.step.objects import check_objects, refuse_static_graph, refuse_unwrapped
 from gradaccum.step.settle import WindowSettler
 from gradaccum.step.state import COUNTER_KEYS, StatePart, check_state
@@ -486,11 +486,7 @@ class WindowEngine:
         the error raised, on every rank, when micro-batches vetoed the update.
         """
         self.emit("optimizer_start", 0)
-        everything = self._params
-        grads: list[torch.Tensor] = [g for p in everything if (g := p.grad) is not None]
-        params = (
-            everything if len(grads) == len(everything) else [p for p in everything if p.grad is not None]
-        )
+        params, grads = present_grads(self._params)
         return self._decide(counted, accumulated, params, grads, objective, rejection)
 
     def _decide(

@@ -8,7 +8,9 @@ device and dtype that ``torch.nn.utils.get_total_norm`` does in Python are skipp
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 import torch
 
@@ -18,6 +20,7 @@ __all__ = [
     "local_grads_finite",
     "local_part",
     "nonfinite_flag",
+    "present_grads",
     "scale_grads_",
     "total_norm",
     "uniform_plain",
@@ -30,6 +33,19 @@ _foreach_norm = getattr(torch, "_foreach_norm", None)
 _nonfinite_check = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
 # the foreach multiply (what clip_grads_with_norm_ and torch.optim use), behind a getattr likewise
 _foreach_mul_ = getattr(torch, "_foreach_mul_", None)
+
+
+_grad_of = operator.attrgetter("grad")
+
+
+def present_grads(params: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], list[torch.Tensor]]:
+    """The parameters that hold a gradient, and those gradients. Read by ``map`` in C: after a
+    window's backwards the step's code runs cold, and a comprehension's line per parameter cost
+    ~1 us each there (30 on the bundled GPT)."""
+    grads = list(map(_grad_of, params))
+    if not any(map(operator.is_, grads, repeat(None))):
+        return params, grads
+    return [p for p in params if p.grad is not None], [g for g in grads if g is not None]
 
 
 def uniform_plain(tensors: Sequence[torch.Tensor]) -> bool:

@@ -61,11 +61,12 @@ def plain_window(engine: WindowEngine, *, balance: Any) -> PlainWindow | None:
 class PlainWindow:
     """Phases 1-3 of a plain window, then the engine's phase 4."""
 
-    __slots__ = ("engine", "mean")
+    __slots__ = ("engine", "mean", "observed")
 
     def __init__(self, engine: WindowEngine) -> None:
         self.engine = engine
         self.mean = engine.config.loss_reduction == "mean"
+        self.observed = engine.observer is not None  # else no call per micro-batch to tell nobody
 
     def applies(self) -> bool:
         """Whether this window is plain: no process group has appeared since construction."""
@@ -83,10 +84,17 @@ class PlainWindow:
         counted = WindowCount(counts, local_count, local_count, None, min_count, 1, engine.factor)
         engine.zero_grad()
         scale = CastScale(counted.scale())  # each micro-batch adds sum_t l_t / N
-        model, backward, emit, mean = engine.model, engine.backward, engine.emit, self.mean
+        model, backward, emit, mean, observed = (
+            engine.model,
+            engine.backward,
+            engine.emit,
+            self.mean,
+            self.observed,
+        )
         losses: list[torch.Tensor] = []
         for i, mb in enumerate(micro_batches):
-            emit("micro_start", i)
+            if observed:
+                emit("micro_start", i)
             phase = "forward"
             try:
                 loss = check_loss(loss_fn(model, mb), i)
@@ -98,6 +106,7 @@ class PlainWindow:
             except Exception as exc:
                 engine.zero_grad()
                 raise_alone(LocalFailure(exc, phase, i), recoverable=True)
-            emit("micro_end", i)
+            if observed:
+                emit("micro_end", i)
         accumulated = Accumulated(None, engine.settler.zero, False, len(micro_batches), tuple(losses))
         return engine.conclude(counted, accumulated)

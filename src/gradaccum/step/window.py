@@ -105,8 +105,10 @@ class CastScale:
 
     def to(self, dtype: torch.dtype) -> torch.Tensor:
         cast = self._casts.get(dtype)
-        if cast is None:
-            cast = self._casts[dtype] = self._scale.to(dtype)
+        return cast if cast is not None else self._cast(dtype)
+
+    def _cast(self, dtype: torch.dtype) -> torch.Tensor:
+        cast = self._casts[dtype] = self._scale.to(dtype)
         return cast
 
 
