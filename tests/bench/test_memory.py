@@ -44,6 +44,18 @@ def test_persistent_bytes_are_parameters_gradients_and_adam_state_each_once() ->
     assert persistent_bytes(tied, optimizer) == (param, grad, state)
 
 
+def test_a_sparse_gradient_counts_its_indices_and_values() -> None:
+    """nn.Embedding(sparse=True)'s gradient has no storage of its own: its bytes are those of its
+    indices (int64, one row per looked-up token) and values (one embedding row per token)."""
+    model = nn.Embedding(10, 4, sparse=True)
+    tokens = torch.tensor([1, 3, 3, 7, 0])
+    model(tokens).sum().backward()
+    param, grad, _ = persistent_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert param == FLOAT * 10 * 4
+    assert model.weight.grad is not None and model.weight.grad.is_sparse
+    assert grad == 8 * len(tokens) + FLOAT * len(tokens) * 4  # indices (1 x 5 int64) + values (5 x 4)
+
+
 @pytest.mark.parametrize("micro", [1, 2, 4, 8])
 def test_activation_bytes_are_exactly_proportional_to_the_micro_batch_of_an_mlp(micro: int) -> None:
     model = _mlp()

@@ -123,25 +123,40 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-def _storage_key(tensor: torch.Tensor) -> StorageKey | None:
-    """(data pointer, bytes, device) of the storage behind ``tensor``; None for empty storage."""
-    try:
-        storage = _local(tensor).untyped_storage()
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
-        return None
-    nbytes = storage.nbytes()
-    if nbytes == 0 or storage.data_ptr() == 0:
-        return None
-    return storage.data_ptr(), nbytes, str(storage.device)
+def _dense_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dense tensors that hold ``tensor``'s data: itself, or a sparse tensor's indices and
+    values (``nn.Embedding(sparse=True)``'s gradient has no storage of its own)."""
+    layout = tensor.layout
+    if layout is torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return (tensor,)
+
+
+def _storage_keys(tensor: torch.Tensor) -> list[StorageKey]:
+    """(data pointer, bytes, device) of each storage behind ``tensor``, empty storages left out.
+    An opaque tensor (MKL-DNN's layout) does not expose its bytes to torch: it is not counted."""
+    keys = []
+    for part in _dense_parts(_local(tensor)):
+        try:
+            storage = part.untyped_storage()
+        except NotImplementedError:  # "Cannot access storage of OpaqueTensorImpl"
+            continue
+        if storage.nbytes() and storage.data_ptr():
+            keys.append((storage.data_ptr(), storage.nbytes(), str(storage.device)))
+    return keys
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[StorageKey]) -> int:
     total = 0
     for tensor in tensors:
-        key = _storage_key(tensor)
-        if key is not None and key not in seen:
-            seen.add(key)
-            total += key[1]
+        for key in _storage_keys(tensor):
+            if key not in seen:
+                seen.add(key)
+                total += key[1]
     return total
 
 
@@ -178,7 +193,7 @@ class SavedBytes:
     """Counts the storages a forward saves for backward (see :func:`saved_bytes`)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._exclude: set[StorageKey] = {key for key in map(_storage_key, exclude) if key is not None}
+        self._exclude: set[StorageKey] = {key for tensor in exclude for key in _storage_keys(tensor)}
         self._seen: set[StorageKey] = set()
         self.bytes = 0
         """Bytes saved so far, each storage once."""
@@ -186,7 +201,7 @@ class SavedBytes:
     def exclude(self, tensors: Iterable[torch.Tensor]) -> list[StorageKey]:
         """Stop counting the storages of ``tensors`` (e.g. parameters gathered for a forward);
         returns the keys added, for :meth:`include`."""
-        added = [key for key in map(_storage_key, tensors) if key is not None and key not in self._exclude]
+        added = [key for tensor in tensors for key in _storage_keys(tensor) if key not in self._exclude]
         self._exclude.update(added)
         return added
 
@@ -195,10 +210,10 @@ class SavedBytes:
         self._exclude.difference_update(keys)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key is not None and key not in self._exclude and key not in self._seen:
-            self._seen.add(key)
-            self.bytes += key[1]
+        for key in _storage_keys(tensor):
+            if key not in self._exclude and key not in self._seen:
+                self._seen.add(key)
+                self.bytes += key[1]
         return tensor
 
     @staticmethod
