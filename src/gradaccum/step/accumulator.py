@@ -113,7 +113,7 @@ class Accumulator(EngineFace):
             balance=balancer,
         )
         # decided once: a plain step skips what only distributed or optional features use
-        self._plain = plain_window(self._engine, balance=balancer)
+        self._plain = plain_window(self._engine)
 
     @classmethod
     def from_config(

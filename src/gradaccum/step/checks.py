@@ -11,7 +11,15 @@ import torch
 
 from gradaccum.errors import CountError, LossError, TooManySkipsError, WindowError
 
-__all__ = ["as_count", "check_loss", "check_skips", "check_window_shapes", "sum_counts", "unmean"]
+__all__ = [
+    "as_count",
+    "check_loss",
+    "check_not_empty",
+    "check_skips",
+    "check_window_shapes",
+    "sum_counts",
+    "unmean",
+]
 
 _INTEGER_DTYPES = frozenset(
     d for d in vars(torch).values() if isinstance(d, torch.dtype) and not d.is_floating_point
@@ -81,6 +89,13 @@ def unmean(loss: torch.Tensor, count: int | torch.Tensor, index: int) -> torch.T
             "(loss_reduction='sum'), which handle all-padding micro-batches exactly."
         )
     return loss * n
+
+
+def check_not_empty(micro_batches: int) -> None:
+    """One process: a window must hold a micro-batch (under torch.distributed the ranks refuse
+    empty windows together, in the counts all-reduce)."""
+    if not micro_batches:
+        raise WindowError("the window is empty: step needs at least one micro-batch")
 
 
 def check_window_shapes(

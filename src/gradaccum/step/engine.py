@@ -54,7 +54,7 @@ from gradaccum.distributed.sync import (
     sync_kind,
     sync_module,
 )
-from gradaccum.errors import ConfigError, CountError, WindowError
+from gradaccum.errors import ConfigError, CountError
 from gradaccum.mesh.reduction import averaging_factor
 from gradaccum.mesh.step import (
     check_sync_policy,
@@ -78,7 +78,7 @@ from gradaccum.step.agreement import (
     unreached_parameters,
 )
 from gradaccum.step.batchnorm import window_batchnorm
-from gradaccum.step.checks import as_count, check_skips, check_window_shapes, sum_counts
+from gradaccum.step.checks import as_count, check_not_empty, check_skips, check_window_shapes, sum_counts
 from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.external import ExternalStep
@@ -205,7 +205,7 @@ class WindowEngine:
             self.parts["balance"] = balance
         self._compiles = CompileCounter()  # graphs torch.compile builds during a window
         self.settler = WindowSettler(
-            self.device, self.dp_group, layout=self.layout, noise=self._noise, scaler=scaler
+            self._zero, self.dp_group, layout=self.layout, noise=self._noise, scaler=scaler
         )
         self.update = OptimizerUpdate(
             optimizer,
@@ -311,8 +311,7 @@ class WindowEngine:
                 counts = []
         local_count, min_count = sum_counts(counts, self.device)
         if not self._distributed:
-            if not micro_batches:
-                raise WindowError("the window is empty: step needs at least one micro-batch")
+            check_not_empty(len(micro_batches))
             if self.balance is not None:
                 self.balance.agree(self.balance.local())
             return WindowCount(counts, local_count, local_count, None, min_count, 1, self.factor)
@@ -467,7 +466,7 @@ class WindowEngine:
             loss = torch.tensor(reduced[0], dtype=torch.float64, device=self.device)
             rejected = torch.tensor(reduced[1], dtype=torch.float64, device=self.device)
             return Accumulated(loss, rejected, True, len(micro_batches))
-        rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self.settler.zero
+        rejected = torch.stack(rejections).sum(dtype=torch.float64) if rejections else self._zero
         summed = None if losses else self._zero  # the losses are added up in settle, beside the verdict
         return Accumulated(summed, rejected, False, len(micro_batches), tuple(losses))
 

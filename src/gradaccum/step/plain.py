@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradaccum.distributed import dist
-from gradaccum.errors import WindowError
 from gradaccum.step.agreement import LocalFailure, raise_alone
-from gradaccum.step.checks import as_count, check_loss, sum_counts, unmean
+from gradaccum.step.checks import as_count, check_loss, check_not_empty, sum_counts, unmean
 from gradaccum.step.config import StepResult
 from gradaccum.step.window import Accumulated, CastScale, CountFn, WindowCount
 
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["PlainWindow", "plain_window"]
 
 
-def plain_window(engine: WindowEngine, *, balance: Any) -> PlainWindow | None:
+def plain_window(engine: WindowEngine) -> PlainWindow | None:
     """A :class:`PlainWindow` for ``engine`` when its steps can be plain, else ``None``.
 
     Plain: a module that no wrapper synchronizes, no mesh, no external engine, no GradScaler, no
@@ -49,7 +48,7 @@ def plain_window(engine: WindowEngine, *, balance: Any) -> PlainWindow | None:
         and engine.layout is None
         and engine.external is None
         and engine.scaler is None
-        and balance is None
+        and engine.balance is None
         and config.scaling == "pre"
         and not config.noise_scale
         and config.batchnorm_stats != "window"
@@ -77,8 +76,7 @@ class PlainWindow:
     ) -> StepResult:
         engine = self.engine
         micro_batches, _ = engine.open(window)  # one process: a failure is raised, not returned
-        if not micro_batches:
-            raise WindowError("the window is empty: step needs at least one micro-batch")
+        check_not_empty(len(micro_batches))
         counts = [as_count(count_fn(mb), i) for i, mb in enumerate(micro_batches)]
         local_count, min_count = sum_counts(counts, engine.device)
         counted = WindowCount(counts, local_count, local_count, None, min_count, 1, engine.factor)

@@ -21,7 +21,7 @@ from gradaccum.distributed import dist
 from gradaccum.distributed.sync import check_sync_on, sync_deferred
 from gradaccum.errors import ConfigError, WindowError
 from gradaccum.step.agreement import LocalFailure, check_buffer_broadcasts, raise_agreed
-from gradaccum.step.checks import as_count, check_window_shapes, sum_counts
+from gradaccum.step.checks import as_count, check_not_empty, check_window_shapes, sum_counts
 from gradaccum.step.config import StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.ledger import Ledger
@@ -209,8 +209,7 @@ class PostScalingEngine(WindowEngine):
                 c = self._zero + 1
             self._meet_streamed(k, counts, local, smallest, failure, post=c, index=k)
             raise AssertionError("unreachable: an empty window or a failure raises on every rank")
-        if not k:
-            raise WindowError("the window is empty: step needs at least one micro-batch")
+        check_not_empty(k)
         assert c is not None
         on_host = all(isinstance(n, int) for n in counts)
         n_host = sum(int(n) for n in counts) if on_host else None  # ints: no read

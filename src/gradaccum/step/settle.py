@@ -28,14 +28,14 @@ class WindowSettler:
 
     def __init__(
         self,
-        device: torch.device,
+        zero: torch.Tensor,
         group: Any,
         *,
         layout: Any,
         noise: NoiseScaleMeter | None,
         scaler: Any,
     ) -> None:
-        self.device = device
+        self.device = zero.device
         self.group = group
         self.layout = layout
         self.noise = noise
@@ -43,7 +43,7 @@ class WindowSettler:
         self.batchnorm: WindowBatchNorm | None = None  # set by step/batchnorm.py, like the meeting's
         # ranks that hold the same tokens (TP) add the same loss: the sum is divided by them
         self.loss_replicas = layout.tp if layout is not None else 1
-        self.zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.zero = zero  # the engine's 0-dim float64 zero: vetoes that are this tensor were never summed
 
     def settle(
         self,
