@@ -70,7 +70,7 @@ class TrainerBalance:
 
     def __init__(self, core: nn.Module, spec: LoadBalance, device: torch.device) -> None:
         self.core = core
-        self.balance = WindowBalance(spec, device)
+        self.balance = WindowBalance(spec, device, model=core)
         self._window: BalanceWindow | None = None
         self._index: dict[int, int] = {}
         self._current = 0
