@@ -135,11 +135,13 @@ class WindowBalance:
         (:class:`~gradaccum.moe.routing.RoutingPass`: RNG state and buffers left as found)."""
         out = []
         for records, mb in zip(self._pass.run(micro_batches, forward), micro_batches, strict=True):
-            routed = self._route(records, mb)
+            routed = self._route(records, mb, selection_only=True)
             out.append((routed.counts, routed.rows))
         return out
 
-    def _route(self, records: Sequence[tuple[int, torch.Tensor]], mb: Any) -> Any:
+    def _route(
+        self, records: Sequence[tuple[int, torch.Tensor]], mb: Any, *, selection_only: bool = False
+    ) -> Any:
         spec = self.spec
         return route(
             records,
@@ -149,6 +151,7 @@ class WindowBalance:
             top_k=spec.top_k,
             device=self.device,
             biases=None if spec.bias_rate is None else [getattr(r, spec.bias_name) for r in spec.routers],
+            selection_only=selection_only,
         )
 
     def agree(self, vector: torch.Tensor) -> BalanceWindow:
