@@ -32,7 +32,7 @@ from gradaccum.cli.common import (
     workload_spec,
 )
 from gradaccum.errors import ConfigError, PlanError
-from gradaccum.names import MAX_TRACE_STEPS, TRACE_DTYPES, VERIFY_DTYPES
+from gradaccum.names import HF_PREFIX, MAX_TRACE_STEPS, TRACE_DTYPES, VERIFY_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -326,6 +326,12 @@ def run(args: argparse.Namespace) -> int:
         why = "is not a device (cpu, cuda, cuda:0)" if device is None else "names CUDA, but none is available"
         raise ConfigError(f"--device {args.device!r} {why}")
     workload = load_workload(workload_spec(args))
+    if args.workload.startswith(HF_PREFIX) and "float64" in (args.dtype, args.trace_dtype):
+        from gradaccum.workloads.experts import eager_experts
+
+        workload, note = eager_experts(workload)  # the fused expert kernels take no float64
+        if note is not None:
+            console.print(escape(note))
     if args.mesh is not None:
         return _run_mesh(args, workload, device)
     if args.packed:
