@@ -77,7 +77,11 @@ ACCUM_SETTINGS = (
         commands=("train",),
     ),
 )
-"""The ``AccumConfig`` fields that are plain choices: one flag each, the same name."""
+"""The ``AccumConfig`` fields that are plain choices: one flag each, the same name. Both are
+``train``'s only: ``bench`` and ``accept`` measure float32 parameters (``precision.param_dtype``:
+bfloat16 runs under autocast), on which ``accum_dtype`` changes nothing; ``batchnorm_stats``
+changes the running statistics, not the update accept checks, and its small per-micro-batch cost
+(one pass over each BatchNorm input for its moments) is not measured by bench."""
 
 BALANCE = RunSetting(
     name="balance",
