@@ -175,3 +175,12 @@ def test_batchnorm_stats_is_recorded_and_replayed(tmp_path: Path, capsys: pytest
     assert code == 0, text
     assert "batchnorm_stats window" in text
     assert _card(tmp_path / "again")["accum"]["batchnorm_stats"] == "window"
+
+
+def test_a_balance_with_post_scaling_exits_2_naming_both_ways_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--workload", ROUTING, "--scaling", "post", "--steps", "1", "--run-dir", str(tmp_path / "r")]
+    code, text = _train(argv, capsys)
+    assert code == 2
+    assert "use --scaling pre, or --balance off" in text

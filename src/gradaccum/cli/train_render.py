@@ -286,7 +286,7 @@ def budget_summary(steps: list[StepRecord], max_tokens: int | None) -> str | Non
     padding = sum(r.padding_tokens or 0 for r in rows)
     spread = f" ({min(counts)} to {max(counts)})" if min(counts) != max(counts) else ""
     return (
-        f"token budget max_tokens {max_tokens:,}: {statistics.fmean(counts):.2g} micro-batches per window"
+        f"token budget max_tokens {max_tokens:,}: {statistics.fmean(counts):.1f} micro-batches per window"
         f"{spread}, all ranks; padding {padding:,} of the {computed:,} token positions computed "
         f"({padding / computed:.1%})"
     )

@@ -365,7 +365,7 @@ def _critical_batch(workload: Workload, s: _Session) -> tuple[NoiseScale | None,
     return noise, noise.describe(units, workload.unit)
 
 
-def param_dtypes(model: nn.Module) -> str:
+def _param_dtypes(model: nn.Module) -> str:
     """The dtypes of ``model``'s trainable parameters, by share: ``bfloat16``, or ``float32 (90%),
     bfloat16 (10%)`` for a mixed model."""
     sizes: dict[str, int] = {}
@@ -468,7 +468,7 @@ def train(
             unit=workload.unit,
             evaluation=held_out_summary(workload).get("summary"),
             balance=None if s.balance is None else s.balance.describe(),
-            param_dtypes=param_dtypes(s.model),
+            param_dtypes=_param_dtypes(s.model),
         )
     )
     meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}
