@@ -307,6 +307,7 @@ def advised_runcard(
         device=str(environment.get("device", settings.device)),
         git_commit=environment.get("git_commit"),
         compile=summary.spec.compile,
+        max_tokens=summary.spec.max_tokens,  # a budget row: train cuts its windows by the same budget
         extra={
             "source": "gradaccum bench --memory-budget",
             "advice": advice.sentence,
