@@ -125,6 +125,8 @@ class TrainRenderer:
             keeps = f"{warmup_tokens:,} valid tokens (~{warmup_steps:,.1f} steps at this global batch)"
             moves = "a larger global batch keeps the tokens and takes fewer steps"
         console.print(f"warmup: {keeps}; {moves}")
+        if start.experts is not None:
+            console.print(escape(start.experts))
         if start.balance is not None:
             console.print(escape(start.balance))
         console.print(escape(checkpoint_policy(cfg)))

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from gradaccum.check.workload import Workload, load_workload
 from gradaccum.distributed import dist
+from gradaccum.names import HF_PREFIX
 from gradaccum.precision import autocast_loss, make_scaler
 from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
@@ -60,6 +61,7 @@ from gradaccum.train.records import (
 from gradaccum.train.run_folder import RUNCARD_FILE, check_run_folder
 from gradaccum.train.schedule import Schedule, apply_lr, resolve_schedule
 from gradaccum.workloads.balance import BalanceChoice, choose_balance
+from gradaccum.workloads.experts import eager_experts
 
 __all__ = ["RUNCARD_FILE", "TrainControl", "TrainResult", "train"]
 
@@ -444,6 +446,10 @@ def train(
     window has trained.
     """
     workload = workload if workload is not None else load_workload(config.workload)
+    experts = None
+    if config.precision == "float64" and config.workload.startswith(HF_PREFIX):
+        # a transformers MoE folder's fused expert kernels take no float64: the eager one, said
+        workload, experts = eager_experts(workload, flag="--precision", what="float64 training")
     control = control if control is not None else TrainControl()
     s = _setup(config, workload)
     emit = Recorder(
@@ -469,6 +475,7 @@ def train(
             evaluation=held_out_summary(workload).get("summary"),
             balance=None if s.balance is None else s.balance.describe(),
             param_dtypes=_param_dtypes(s.model),
+            experts=experts,
         )
     )
     meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}

@@ -83,6 +83,8 @@ class TrainStart:
     (:meth:`gradaccum.workloads.balance.BalanceChoice.describe`); ``None``: the model does not route."""
     param_dtypes: str = ""
     """The dtypes the model's trainable parameters are stored in (beside the compute precision)."""
+    experts: str | None = None
+    """Set when an ``hf:`` MoE model's experts were switched to the eager kernel for float64, in words."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,6 +8,7 @@ Float16 matrix, got Double". The eager kernel (a loop over the experts) computes
 in any dtype, so for the check every model of the workload is switched to it
 (``set_experts_implementation("eager")``, on the copy the check builds). A model whose kernel
 cannot be switched is refused by name, with the way out: ``--check-precision float32``.
+``train --precision float64`` on an ``hf:`` folder does the same (``--precision float32``).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ def _kernel(model: nn.Module) -> object:
     return getattr(getattr(model, "config", None), "_experts_implementation", None)
 
 
-def eager_experts(workload: Workload, *, flag: str = "--check-precision") -> tuple[Workload, str | None]:
+def eager_experts(
+    workload: Workload, *, flag: str = "--check-precision", what: str = "the float64 check"
+) -> tuple[Workload, str | None]:
     """``workload`` whose models run their experts on the eager kernel, and a line that says so;
     ``workload`` itself and ``None`` for a model without pluggable experts or already eager. A
     model that cannot be switched is refused with a :class:`WorkloadError` naming
-    ``experts_implementation`` and ``flag float32``."""
+    ``experts_implementation`` and ``flag float32``. ``what``: what runs in float64, for the words."""
     model = workload.build_model()
     if not _switchable(model) or _kernel(model) == EAGER:
         return workload, None
@@ -51,16 +54,16 @@ def eager_experts(workload: Workload, *, flag: str = "--check-precision") -> tup
             built.set_experts_implementation(EAGER)  # type: ignore[operator]
         except Exception as exc:
             raise WorkloadError(
-                f"workload {workload.name}: the float64 check needs the experts on transformers' eager "
+                f"workload {workload.name}: {what} needs the experts on transformers' eager "
                 f"kernel, but experts_implementation {was!r} could not be switched "
                 f"({type(exc).__name__}: {exc}); save the folder with experts_implementation='eager' in "
-                f"its config, or run the check in float32 ({flag} float32)"
+                f"its config, or run in float32 ({flag} float32)"
             ) from None
         return built
 
     build_model()  # refused now, before any check starts
     note = (
-        f"experts: the float64 check runs {workload.name}'s experts on transformers' eager kernel "
+        f"experts: {what} runs {workload.name}'s experts on transformers' eager kernel "
         f"(experts_implementation 'eager' instead of {was}: the fused kernels take no float64; "
         "the same function)"
     )

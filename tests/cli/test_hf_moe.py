@@ -1,7 +1,8 @@
 """``verify --workload hf:DIR`` on a transformers MoE folder saved with its default expert kernel:
 the float64 check runs the experts on the eager kernel (the fused ones take no float64) and says
 so, the balancing term included; a kernel that cannot be switched exits 2 naming
-``experts_implementation`` and ``--check-precision float32``."""
+``experts_implementation`` and ``--check-precision float32``. ``train --precision float64`` on the
+folder switches it the same way."""
 
 from __future__ import annotations
 
@@ -67,3 +68,18 @@ def test_the_float32_check_keeps_the_folders_kernel(
     code, out = _verify(*_moe_folder(tmp_path), capsys, "--check-precision", "float32")
     assert code == 0, out
     assert "eager kernel" not in out
+
+
+def test_float64_training_of_an_moe_folder_runs_eager_experts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder, data = _moe_folder(tmp_path)
+    argv = ["train", "--workload", f"hf:{folder}", "--data", str(data), "--precision", "float64"]
+    code = main(
+        [*argv, "--steps", "1", "--global-batch", "4", "--micro-batch", "2", "--run-dir", str(tmp_path / "r")]
+    )
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())
+    assert code == 0, out
+    assert "experts: float64 training runs hf:moe's experts on transformers' eager kernel" in out
+    assert "load balance: exact, coefficient 0.05" in out
