@@ -76,7 +76,8 @@ def test_an_adopted_token_budget_is_in_the_card_and_train_replays_it(
         "t",
     )
     # the verdict names the arm by its budget, not by a plan it did not run (16x1)
-    (first, *_) = verdict_lines(dataclasses.replace(result, card=adopted))
+    adopt = dataclasses.replace(result.verdict, decision="ADOPT")  # whatever this machine measured
+    (first, *_) = verdict_lines(dataclasses.replace(result, card=adopted, verdict=adopt))
     assert first.startswith(f"ADOPT: the run card records tokens<={BUDGET} (global_batch = 16 rows")
     assert "16x1" not in first and "accum_steps" not in first
     write_runcard(adopted, tmp_path / "runcard.json")
