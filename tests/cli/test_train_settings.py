@@ -184,3 +184,24 @@ def test_a_balance_with_post_scaling_exits_2_naming_both_ways_out(
     code, text = _train(argv, capsys)
     assert code == 2
     assert "use --scaling pre, or --balance off" in text
+
+
+def test_a_lagged_balance_resumes_bitwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the lagged mode carries the previous window's counts: a resumed run must pick them up
+    common = ["--workload", ROUTING, "--balance", "lagged", "--global-batch", "8", "--micro-batch", "2"]
+    common += ["--precision", "float64", "--schedule", "constant", "--warmup", "0"]
+    code, text = _train([*common, "--steps", "3", "--run-dir", str(tmp_path / "straight")], capsys)
+    assert code == 0, text
+    code, text = _train([*common, "--steps", "2", "--run-dir", str(tmp_path / "cut")], capsys)
+    assert code == 0, text
+    code, text = _train(
+        [*common, "--steps", "3", "--run-dir", str(tmp_path / "cut"), "--resume", "auto"], capsys
+    )
+    assert code == 0, text
+
+    def last(run: str) -> dict:
+        folder = tmp_path / run / "checkpoints" / "step-00000003" / "state.pt"
+        return torch.load(folder, weights_only=True)["model"]
+
+    straight, resumed = last("straight"), last("cut")
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
