@@ -32,7 +32,7 @@ from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError
 from gradaccum.moe.balancer import BalanceWindow, WindowBalance
 from gradaccum.moe.capture import RouterCapture
-from gradaccum.moe.spec import LoadBalance
+from gradaccum.moe.spec import LoadBalance, attention_mask
 from gradaccum.moe.stats import balance_term, route
 
 __all__ = ["TrainerBalance", "own_term_off", "trainer_balance", "whole_batch_term"]
@@ -40,10 +40,7 @@ __all__ = ["TrainerBalance", "own_term_off", "trainer_balance", "whole_batch_ter
 
 def _mask(micro_batch: Any) -> torch.Tensor | None:
     """The attention mask of a Trainer micro-batch (a dict or a ``BatchEncoding``)."""
-    if isinstance(micro_batch, Mapping):
-        mask = micro_batch.get("attention_mask")
-        return mask if isinstance(mask, torch.Tensor) else None
-    return None
+    return attention_mask(micro_batch)
 
 
 def own_term_off(balance: TrainerBalance | None) -> contextlib.AbstractContextManager[None]:

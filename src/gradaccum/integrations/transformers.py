@@ -52,6 +52,7 @@ from transformers import PreTrainedModel, Trainer
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from gradaccum.batch import fields
 from gradaccum.check.report import EquivalenceReport
 from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError, CountError, EquivalenceError, LossError
@@ -230,16 +231,17 @@ class ExactTrainer(Trainer):
         exact = self.exact
         if exact.count_fn is not None:
             return exact.count_fn(micro_batch)
-        if not isinstance(micro_batch, Mapping) or not ({"labels", "shift_labels"} & set(micro_batch)):
-            keys = sorted(micro_batch) if isinstance(micro_batch, Mapping) else type(micro_batch).__name__
+        named = fields(micro_batch)
+        if named is None or not ({"labels", "shift_labels"} & set(named)):
+            keys = sorted(map(str, named)) if named is not None else type(micro_batch).__name__
             raise CountError(
                 f"ExactTrainer counts label tokens under 'labels' (or 'shift_labels'), but a micro-batch "
                 f"holds {keys}. Pass exact=ExactConfig(count_fn=...) returning how many units the "
                 "micro-batch's loss is over."
             )
-        if "shift_labels" in micro_batch:
-            return valid_tokens(micro_batch["shift_labels"], ignore_index=exact.ignore_index)
-        return valid_tokens(micro_batch["labels"], ignore_index=exact.ignore_index, shift=self.label_shift)
+        if "shift_labels" in named:
+            return valid_tokens(named["shift_labels"], ignore_index=exact.ignore_index)
+        return valid_tokens(named["labels"], ignore_index=exact.ignore_index, shift=self.label_shift)
 
     # -- the loss each micro-batch backpropagates ------------------------------------------------
 
