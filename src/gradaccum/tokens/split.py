@@ -101,7 +101,9 @@ def split_by_tokens(
 
     ``equal_count=True`` gives every rank the same number of micro-batches: FSDP, FSDP2 and meshes
     gather parameters in every forward, and the step refuses unequal counts there. Without it the
-    counts may differ between ranks (DDP steps them exactly).
+    counts may differ between ranks (DDP steps them exactly). It is refused only for a window that
+    has no equal plan: when no multiple of ``world`` lies between the fewest micro-batches the
+    budget allows and the window's rows.
 
     A row longer than ``max_tokens`` is refused (:class:`gradaccum.PlanError`, naming its length
     and the budget), as are fewer rows than ranks.
