@@ -23,6 +23,10 @@ they move once per applied optimizer step, exactly as one forward over the whole
   mid-window) restore the snapshot: the buffers stay as they were before the window, as the
   parameters do.
 
+The hooks are registered when the accumulator is built and removed by ``close()`` (or when the
+part is collected): torch.compile does not see module hooks added after it traced the module
+(:mod:`gradaccum.step.lifetime`); outside an open window they return at once.
+
 Recompute under activation checkpointing runs the forward again inside the backward; the hook
 skips forwards made while the autograd engine runs (the test FSDP2 and ``ModuleTracker`` use), so
 it does not count. Each forward still *normalizes* with its own micro-batch's statistics: only the

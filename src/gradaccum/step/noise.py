@@ -33,8 +33,9 @@ What the step measures, without a copy of any gradient. Micro-batch j's backward
 Delta_j = c s_j to the gradients, c = sigma W / N (sigma the GradScaler's scale, W / N the step's
 scale; :mod:`gradaccum.step.engine`). A hook on every parameter (``Tensor.register_hook``, which
 sees the gradient a backward *adds*, before it is accumulated and before DDP's reducer reads it)
-records the norm of its part of Delta_j; after the backward the squared norms add up to
-|Delta_j|^2. After the window every rank holds sigma G_N (the point of the step). So
+records the norm of its part of Delta_j (registered for the window's micro-batches only and
+removed with the window: :mod:`gradaccum.step.lifetime`); after the backward the squared norms add
+up to |Delta_j|^2. After the window every rank holds sigma G_N (the point of the step). So
 
     A = (1/N) sum_j |Delta_j|^2 / (c^2 n_j) = N P / (sigma^2 W^2),   P = sum_j |Delta_j|^2 / n_j,
     b = |grad|^2 / sigma^2,
