@@ -6,9 +6,8 @@ then: a ``loss_fn`` that calls ``model.body`` and ``model.head`` apart (chunked 
 accumulator was built must accumulate wide too. The optimizer is a probe that records the
 gradient it is handed and changes nothing, so every window sees the same weights and the same
 micro-batches: float32 sums of the same bf16 terms in the same order are bitwise equal from window
-to window, while a window summed in bf16 rounds k times (its error against the float64 full
-batch is ~2x the float32 window's at k = 64 on this set, measured 9.2e-3 against 4.2e-3 on the
-issue's model).
+to window, while a window summed in bf16 rounds k times (relL2 against the float64 full batch on
+this set: 4.77e-3 against 2.62e-3 at k = 16, 1.23e-2 against 2.86e-3 at k = 64).
 """
 
 from __future__ import annotations
