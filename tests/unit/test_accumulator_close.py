@@ -202,3 +202,20 @@ def test_close_gives_batchnorm_back_its_statistics_from_before_an_interrupted_wi
     assert not torch.equal(before[2], model.bn.num_batches_tracked)  # two forwards updated them
     acc.close()
     assert all(torch.equal(a, b) for a, b in zip(before, model.bn.buffers(), strict=True))
+
+
+@pytest.mark.parametrize("mode", ["exact", "lagged"])
+def test_close_takes_the_load_balances_router_hooks_off(mode: str) -> None:
+    """The routers' recording hooks are the step's too: after ``close()`` none is left, and the
+    user's own forward runs on a model with no hook of gradaccum's."""
+    from gradaccum.moe import LoadBalance
+    from tests.helpers import moe
+
+    model = moe.tiny_moe()
+    data = moe.window(moe.sequences([5, 3, 4, 6], seed=1), [2, 2])
+    with Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), balance=LoadBalance.from_model(model, mode=mode)
+    ) as acc:
+        acc.step(data, moe.ce_sum, moe.tokens)
+        assert _hooked(model)  # the routers record while the accumulator lives
+    assert _hooked(model) == []

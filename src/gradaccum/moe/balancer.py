@@ -190,6 +190,10 @@ class WindowBalance:
         if self.spec.mode == "exact":
             self._apply_bias(pending.counts)
 
+    def close(self) -> None:
+        """Take the recording hooks off the routers (the accumulator's ``close()``)."""
+        self.capture.remove()
+
     def _apply_bias(self, counts: torch.Tensor) -> None:
         """DeepSeek-V3's update, once per applied step: ``b_i += rate * sign(mean load - load_i)``
         per router, from the window's agreed counts."""

@@ -32,6 +32,8 @@ class EngineFace:
         in the parameters' dtype; a later ``step`` raises. Idempotent; also the end of a
         ``with`` block. See :mod:`gradaccum.step.lifetime`."""
         self._engine.close()
+        if self._engine.balance is not None:  # the routers' recording hooks
+            self._engine.balance.close()
 
     def __enter__(self: _Face) -> _Face:
         return self
