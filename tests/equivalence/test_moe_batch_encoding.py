@@ -1,8 +1,9 @@
 """MoE exact mode on micro-batches a tokenizer or collator returns: transformers' ``BatchEncoding``.
 
 A ``BatchEncoding`` is a mapping but not a dict; the balancing term must read its attention mask
-as it reads a dict's, or the padded positions are routed and counted (the update was then 6.65e-1
-from the full batch's, 2.43e-1 through ``split_by_tokens``). Tolerance 1e-10 (relative L2 of the
+as it reads a dict's, or the padded positions are routed and counted (before the one field reader,
+this test's windows were 2.6e-1 and 7.7e-2 from the full batch's, directly and through
+``split_by_tokens``). Tolerance 1e-10 (relative L2 of the
 update), as in test_moe_balance.py: the same float64 sums in a different order, ~1e-15 apart.
 """
 
