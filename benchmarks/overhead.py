@@ -16,7 +16,9 @@ the machine that runs it.
 Where accelerate and lightning are installed, ``Accelerator.accumulate()`` (its documented loop,
 mean loss / k) and Fabric's ``no_backward_sync`` loop are timed in the same rounds.
 
-    .venv/bin/python benchmarks/overhead.py [--runs 5] [--rounds 30] [--threads 1]
+    .venv/bin/python benchmarks/overhead.py [--runs 5] [--rounds 30] [--sizes 3] [--threads 1]
+
+``--sizes 1`` times the first size only (k=4 x 2x24, the row the fixed cost shows in).
 """
 
 from __future__ import annotations
@@ -212,7 +214,7 @@ def one_run(window: list[Any], rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
-    args = parse_counts(__doc__, runs=5, rounds=30)
+    args = parse_counts(__doc__, runs=5, rounds=30, sizes=len(SIZES))
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.runs} runs of {args.rounds} "
         "rounds; paired ratio to the hand-written exact loop, median over runs (min..max)"
@@ -225,7 +227,7 @@ def main() -> None:
         "post fused = scaling='post' with AdamW(fused=True) "
         "(the update decided on the device), paired with a hand loop with the same fused AdamW"
     )
-    for k, micro, seq_len in SIZES:
+    for k, micro, seq_len in SIZES[: max(1, args.sizes)]:
         batch = sample_sequences(micro * k, seed=0, max_len=seq_len, min_len=seq_len // 2)
         window = split(batch, micro_batch=micro)
         runs = [one_run(window, args.rounds) for _ in range(args.runs)]

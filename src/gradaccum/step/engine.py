@@ -10,14 +10,11 @@ ranks' gradients, which divides by W once more, so each rank scales by W/N inste
 belongs to the optimizer step (zero_grad, unscale, clip, step, scheduler, hooks) runs once per window;
 nothing runs per micro-batch except forward and backward.
 
-Every front end composes this engine: :class:`~gradaccum.step.accumulator.Accumulator` hands it the loss
-of each micro-batch, :class:`~gradaccum.cache.accumulator.CachedAccumulator` the replayed representations
-times their cached gradients, the pipeline its schedule's losses; post-scaling
-(:mod:`gradaccum.step.post_scaling`) is this engine with phases 1-3 streamed and the gradients scaled once
-before phase 4, a plain one-process step (:mod:`gradaccum.step.plain`) its phases 2-3 bare. What flows
-between the phases is :mod:`gradaccum.step.window`; phase 4's reduction is :mod:`gradaccum.step.settle`,
-its update :mod:`gradaccum.step.update`; the objects refused at construction are
-:mod:`gradaccum.step.objects`, the saved state :mod:`gradaccum.step.state`. The phases are
+Every front end composes this engine: ``Accumulator`` hands it each micro-batch's loss, ``CachedAccumulator``
+replayed representations times their cached gradients, the pipeline its schedule's losses; post-scaling
+(:mod:`~gradaccum.step.post_scaling`) streams phases 1-3 and scales the gradients once before phase 4; a
+plain one-process step (:mod:`~gradaccum.step.plain`) runs phases 2-3 bare. Beside it in ``step/``:
+``window`` (what flows between phases), ``settle`` and ``update`` (phase 4), ``objects``, ``state``. Phases:
 
 1. :meth:`WindowEngine.open`: materialize the window (a failure here is *returned*, for 2);
 2. :meth:`WindowEngine.count`: count every micro-batch and agree on N across ranks: collective 1,
@@ -28,10 +25,9 @@ its update :mod:`gradaccum.step.update`; the objects refused at construction are
 4. :meth:`WindowEngine.conclude`: one host read decides for every rank (finite? counted?), then
    unscale, clip, step, schedule and hooks, once.
 
-So a DDP update costs two small all-reduces besides the gradients' own, and one process reads the device
-once. What a window leaves on the model, and ``close()``: :mod:`gradaccum.step.lifetime`. A failure on
-one rank stops every rank at an agreement point instead of leaving the others in a collective:
-:mod:`gradaccum.step.agreement` says where, and what that cannot cover.
+So a DDP update costs two small all-reduces besides the gradients' own; one process reads the device once.
+What a window leaves on the model, and ``close()``: :mod:`gradaccum.step.lifetime`. A failure on one rank
+stops every rank at an agreement point (:mod:`gradaccum.step.agreement`: where, and what it cannot cover).
 """
 
 from __future__ import annotations
@@ -54,7 +50,7 @@ from gradaccum.distributed.sync import (
     sync_module,
 )
 from gradaccum.errors import CountError
-from gradaccum.mesh.reduction import averaging_factor
+from gradaccum.mesh.reduction import DivideFactor
 from gradaccum.mesh.step import (
     check_sync_policy,
     layout_for_step,
@@ -177,9 +173,8 @@ class WindowEngine:
         # the W of W/N, and the ranks that hold the same tokens (whose sums count each unit once)
         if external is None:
             refuse_unwrapped(model, self.kind, data_ranks)
-            self.factor = averaging_factor(self._synced, self.kind, data_ranks)
-        else:  # the engine that reduces the gradients says what its reduction divides by
-            self.factor = external.factor
+        divide = DivideFactor(self._synced, self.kind, data_ranks) if external is None else external
+        self._divide: DivideFactor | ExternalStep = divide
         self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
         self._policy = check_sync_policy(config, self.kind, self.layout)
         # the ranks' models must match, but a pipeline's stages hold different parts of it
@@ -232,6 +227,11 @@ class WindowEngine:
         wide = self.update.wide if self.update.wide.active else None  # per window: step/lifetime.py
         self._windowed = [p for p in (self._noise, window_batchnorm(self), wide) if p is not None]
         self.closed = False
+
+    @property
+    def factor(self) -> float:
+        """F, the W of W/N, read where each window scales (FSDP2's may be set after construction)."""
+        return self._divide.factor
 
     @property
     def noise_scale(self) -> NoiseScale:
