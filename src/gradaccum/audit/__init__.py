@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from gradaccum.lazy import lazy_exports
 
-__all__ = ["AuditReport", "Cause", "StackAudit", "audit_trainer"]
+__all__ = ["AuditReport", "Cause", "audit_trainer"]
 
 _EXPORTS = {
     "AuditReport": "gradaccum.audit.report",
     "Cause": "gradaccum.audit.report",
-    "StackAudit": "gradaccum.audit.report",
     "audit_trainer": "gradaccum.audit.trainer",
 }
 

@@ -1,13 +1,12 @@
-"""What an audit returns: each cause of an accumulated update's error, one recipe's figures, and the
-table over the recipes of a stack. Frozen values; rendering them as text is the caller's (``str``
-gives a few plain lines, the CLI writes tables, JSON and Markdown)."""
+"""What an audit returns: each cause of an accumulated update's error and one recipe's figures.
+Frozen values; ``str`` gives a few plain lines, ``as_dict`` a JSON-ready mapping."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["AuditReport", "Cause", "StackAudit"]
+__all__ = ["AuditReport", "Cause"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,26 +65,3 @@ class AuditReport:
         if self.unaudited:
             lines.append(f"  not audited: {self.unaudited}")
         return "\n".join(lines)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StackAudit:
-    """Every installed recipe audited on one workload's model and window."""
-
-    workload: str
-    """The workload's name."""
-    window: str
-    """The window every recipe ran: micro-batches, examples and counted units."""
-    reports: tuple[AuditReport, ...]
-    """One report per recipe that ran (gradaccum's own row last)."""
-    missing: tuple[tuple[str, str], ...] = ()
-    """``(recipe, why)`` for each recipe not run: its framework is not installed, or it does not
-    apply to this workload."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "workload": self.workload,
-            "window": self.window,
-            "reports": [r.as_dict() for r in self.reports],
-            "missing": [{"recipe": name, "why": why} for name, why in self.missing],
-        }
