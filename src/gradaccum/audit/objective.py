@@ -109,8 +109,7 @@ def full_batch(
     def forward(mb: Any) -> tuple[Any, torch.Tensor, bool, torch.Tensor | None]:
         inputs = dict(prepare(mb))
         labels, shifted = _labels(inputs, shift)
-        for key in ("labels", "shift_labels"):
-            inputs.pop(key, None)
+        # the labels stay: a model may need them in its forward (its own loss is not read here)
         if routing is not None:
             inputs["output_router_logits"] = True
         mask = inputs.get("attention_mask")
