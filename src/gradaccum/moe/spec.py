@@ -82,10 +82,11 @@ class LoadBalance:
     row, normalized by the window's routed rows; ``None``: no z-loss."""
     bias_rate: float | None = None
     """Aux-loss-free balancing (DeepSeek-V3): each router's ``bias_name`` buffer moves by
-    ``bias_rate * sign(mean load - load_i)`` once per optimizer step, from the window's agreed
-    counts, before the next window's first forward; ``None``: off. The router is taken to select
-    the top-k of ``softmax(logits) + bias`` (the bias steers the choice, not the weights), and
-    ``c`` counts that selection."""
+    ``bias_rate * sign(mean load - load_i)`` once per applied optimizer step, from that window's
+    agreed counts (``exact``: with the update; ``lagged``/``micro-batch``: at the next window's
+    count all-reduce, before its first forward), never for a skipped window; ``None``: off. The
+    router is taken to select the top-k of ``softmax(logits) + bias`` (the bias steers the choice,
+    not the weights), and ``c`` counts that selection."""
     bias_name: str = "e_score_correction_bias"
     """The router buffer the bias update moves (the name DeepSeek-V3's router uses)."""
     logits_index: int = 0
