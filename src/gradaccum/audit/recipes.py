@@ -223,12 +223,21 @@ def _exact_cause(counts: Sequence[int], unit: str, error: float) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_warnings() -> Iterator[None]:
+def _framework_side_effects_undone() -> Iterator[None]:
+    """The frameworks' warnings silenced, and the process environment given back as found (importing
+    Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK``; nothing here reads the variables)."""
+    import os
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    environ = dict(os.environ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
+        os.environ.update(environ)
 
 
 def audit_stack(
@@ -270,7 +279,7 @@ def audit_stack(
                 continue
             if progress is not None:
                 progress(f"{recipe} ({framework}) on {len(micro)} micro-batches ...")
-            with _quiet_warnings():
+            with _framework_side_effects_undone():
                 got = run(copy.deepcopy(base), micro, loss_fn, count_fn)
             error = rel_l2(got, reference)
             cause = (_mean_cause if kind == "mean" else _exact_cause)(counts, unit, error)

@@ -58,13 +58,16 @@ def _add_options(p: argparse.ArgumentParser) -> None:
             int_at_least(1),
             "examples per micro-batch; must divide the workload's batch (default: the workload's)",
         ),
-        Flag("--seed", None, int_at_least(0), "data seed of the window", 0),
+        Flag("--seed", None, int_at_least(0), "initialization/data seed", 0),
         Flag("--out", "DIR", output_folder, "where audit.json and audit.md go", Path("runs/audit")),
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from gradaccum.audit.recipes import audit_stack
+    from gradaccum.check.runs import fresh
     from gradaccum.check.workload import load_workload
 
     check_output_folder(args.out, "--out")
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         )
     console.print(f"[bold]audit {escape(workload.name)}[/bold]: {escape(workload.description)}")
     result = audit_stack(
-        workload.build_model(),
+        fresh(workload.build_model, torch.float64, torch.device("cpu"), args.seed),
         workload.batch(args.seed),
         workload.loss_fn,
         workload.count_fn,
