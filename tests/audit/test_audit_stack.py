@@ -112,3 +112,35 @@ def test_model_random_state_and_dropout_left_as_found(independent: dict[str, flo
     want = independent["mean_of_means"]
     assert abs(rows["Accelerator.accumulate()"].error - want) <= 1e-9 * want
     assert rows["Accumulator.step"].error <= 1e-10
+
+
+def test_frameworks_not_installed_are_listed_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from gradaccum.audit import recipes
+
+    real = importlib.util.find_spec
+    missing = {"accelerate", "lightning", "pytorch_lightning", "deepspeed"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a)
+    )
+    workload = tiny_gpt()
+    result = recipes.audit_stack(
+        build_tiny_gpt(0), workload.batch(0), workload.loss_fn, workload.count_fn, micro_batch=MICRO
+    )
+    rows = {row.framework: row for row in result.rows}
+    for framework in ("accelerate", "lightning", "deepspeed"):
+        assert rows[framework].status == "not installed" and rows[framework].error is None
+        assert "not installed" in rows[framework].cause
+    assert rows["gradaccum"].status == "measured" and rows["gradaccum"].error is not None
+    assert rows["gradaccum"].error <= 1e-10
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["audit", "--micro-batch", "3", "--out", str(tmp_path / "a")])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "--micro-batch 3 does not divide the batch of 8" in out + err
+    assert not (tmp_path / "a").exists()
