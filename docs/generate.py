@@ -59,6 +59,12 @@ PAGES: dict[str, list[Example]] = {
             ("--workload", "gradaccum.examples:contrastive", "--cached"),
         ),
     ],
+    "audit": [
+        Example(
+            "The installed frameworks' recipes on the bundled tiny GPT",
+            ("--workload", "gradaccum.examples:tiny_gpt", "--out", "runs/audit"),
+        ),
+    ],
     "scan": [
         Example("A BatchNorm CNN", ("--workload", "gradaccum.examples:bn_cnn")),
         Example("The bundled tiny GPT", ()),

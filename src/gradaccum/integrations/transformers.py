@@ -58,10 +58,15 @@ from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError, CountError, EquivalenceError, LossError
 from gradaccum.integrations.trainer_balance import own_term_off, trainer_balance
 from gradaccum.integrations.trainer_verify import verify_trainer
+from gradaccum.lazy import lazy_exports
 from gradaccum.loss import IGNORE_INDEX, valid_tokens
 from gradaccum.values import settings_or_default
 
-__all__ = ["ExactConfig", "ExactTrainer", "exact_trainer"]
+__all__ = ["ExactConfig", "ExactTrainer", "audit_trainer", "exact_trainer"]  # noqa: F822 (lazy, below)
+# audit_trainer (gradaccum.audit.trainer, which imports this module) is loaded on first access
+__getattr__, __dir__ = lazy_exports(
+    __name__, {"audit_trainer": "gradaccum.audit.trainer"}, globals(), __all__
+)
 
 LossForm = Literal["sum", "mean"]
 """What ``compute_loss`` returns: a sum divided by ``num_items_in_batch``, or a mean that ignores it."""

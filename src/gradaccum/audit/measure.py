@@ -1,0 +1,78 @@
+"""The measuring pieces every audit shares: a float64 copy of the user's model with randomness off,
+its gradient in parameter order, the relative L2 error, and the random state left as found."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from gradaccum.check.controls import randomness_off
+
+__all__ = ["float64_copy", "gradients", "preserved_rng", "rel_l2", "state_fingerprint"]
+
+
+def float64_copy(model: nn.Module, stack: contextlib.ExitStack) -> nn.Module:
+    """A float64 deep copy of ``model`` (the user's is not touched), its gradients cleared, every
+    switchable random source off for as long as ``stack`` is open."""
+    twin = copy.deepcopy(model).to(torch.float64)
+    twin.zero_grad(set_to_none=True)
+    stack.enter_context(randomness_off(twin))
+    return twin
+
+
+def gradients(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter's gradient in parameter order, float64, zeros where none arrived (what an
+    optimizer would see)."""
+    return [
+        torch.zeros_like(p, dtype=torch.float64)
+        if p.grad is None
+        else p.grad.detach().to(torch.float64).clone()
+        for p in model.parameters()
+    ]
+
+
+def rel_l2(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
+    """|got - want| / |want| over all parameters together (inf when ``want`` is zero and ``got`` is not)."""
+    num = sum(float((g - w).pow(2).sum()) for g, w in zip(got, want, strict=True))
+    den = sum(float(w.pow(2).sum()) for w in want)
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return (num / den) ** 0.5
+
+
+def norm(tensors: Sequence[torch.Tensor]) -> float:
+    return sum(float(t.pow(2).sum()) for t in tensors) ** 0.5
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """torch's (CPU and initialized CUDA devices), Python's and NumPy's random states, restored on exit:
+    an audit draws what the trainer's sampler and model would draw, and gives the draws back."""
+    cuda = torch.cuda.is_initialized()
+    states = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None, random.getstate())
+    import numpy as np  # a dependency of transformers, and of every framework an audit runs
+
+    numpy_state = np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state_all(states[1])
+        random.setstate(states[2])
+        np.random.set_state(numpy_state)
+
+
+def state_fingerprint(model: nn.Module) -> list[tuple[str, torch.Tensor | None]]:
+    """Copies of every parameter, buffer and gradient, for a bitwise comparison before and after."""
+    out: list[tuple[str, torch.Tensor | None]] = []
+    for name, p in model.named_parameters():
+        out.append((name, p.detach().clone()))
+        out.append((f"{name}.grad", None if p.grad is None else p.grad.detach().clone()))
+    out += [(name, b.detach().clone()) for name, b in model.named_buffers()]
+    return out

@@ -1,0 +1,324 @@
+"""``audit_stack``: one window of a workload through each installed framework's documented
+accumulation recipe and through gradaccum's ``Accumulator``, each against the float64 full batch.
+
+The recipes, each on its own float64 copy of the model with every random source off (dropout
+probabilities set to 0, train mode kept), all fed the same micro-batches:
+
+* the hand-written loop: ``(loss_fn(mb) / count_fn(mb) / k).backward()`` per micro-batch, the
+  mean loss per micro-batch divided by k;
+* Accelerate's ``Accelerator(gradient_accumulation_steps=k)`` on CPU: ``with accelerator.accumulate
+  (model)``, ``accelerator.backward(mean)``, ``optimizer.step()`` per micro-batch, as documented
+  (Accelerate divides the loss by k and steps the optimizer on the k-th micro-batch);
+* Lightning's ``Trainer(accumulate_grad_batches=k)`` on CPU, one optimizer step, a LightningModule
+  whose ``training_step`` returns the mean loss of its micro-batch (Lightning divides it by k);
+* gradaccum's ``Accumulator.step``: each micro-batch's summed loss divided by the window's N.
+
+What is compared is the gradient the optimizer receives: a recording optimizer reads every
+parameter's gradient when ``step`` is called and leaves the parameters as they are. The reference is
+the gradient of the workload's objective over the whole window, ``sum of loss_fn over every
+micro-batch / N`` with ``N = sum of count_fn``, in float64. DeepSpeed is listed, not run (its engine
+needs a launched process group and its own configuration).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.metadata
+import importlib.util
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gradaccum.audit.measure import float64_copy, gradients, preserved_rng, rel_l2
+from gradaccum.audit.stack import RecipeRow, StackAudit
+from gradaccum.batch import Batch, batch_size
+from gradaccum.check.runs import host_count
+from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
+
+__all__ = ["audit_stack", "full_batch_gradient"]
+
+Progress = Callable[[str], None]
+
+
+class _Recording(torch.optim.Optimizer):
+    """An optimizer that records the gradients it is given and moves nothing."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        super().__init__(list(params), {"lr": 0.0})
+        self.received: list[list[torch.Tensor]] = []
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:  # Lightning runs the last micro-batch's forward/backward here
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.received.append(
+            [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+        )
+        return loss
+
+
+def full_batch_gradient(
+    model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
+) -> list[torch.Tensor]:
+    """Gradient of ``sum_j loss_fn(model, mb_j) / N`` (``N = sum_j count_fn(mb_j)``), parameter order."""
+    units = max(sum(host_count(count_fn(mb), f"micro-batch {j}") for j, mb in enumerate(micro)), 1)
+    model.zero_grad(set_to_none=True)
+    for mb in micro:
+        (loss_fn(model, mb) / units).backward()
+    grads = gradients(model)
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _hand_loop(
+    model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
+) -> list[torch.Tensor]:
+    optimizer = _Recording(list(model.parameters()))
+    k = len(micro)
+    for mb in micro:
+        (loss_fn(model, mb) / count_fn(mb) / k).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer.received[-1]
+
+
+def _accelerate(
+    model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
+) -> list[torch.Tensor]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    recording = _Recording(list(model.parameters()))
+    try:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(micro))
+        prepared, optimizer = accelerator.prepare(model, recording)
+        for mb in micro:
+            with accelerator.accumulate(prepared):
+                accelerator.backward(loss_fn(prepared, mb) / count_fn(mb))
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:  # the state is a process-wide singleton: leave none behind
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    if len(recording.received) != 1:
+        raise RuntimeError(f"Accelerate stepped the optimizer {len(recording.received)} times in one window")
+    return recording.received[0]
+
+
+def _lightning_module() -> Any:
+    import importlib
+
+    with contextlib.suppress(ImportError):
+        return importlib.import_module("lightning.pytorch")
+    return importlib.import_module("pytorch_lightning")
+
+
+def _lightning(
+    model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
+) -> list[torch.Tensor]:
+    pl = _lightning_module()
+    recording = _Recording(list(model.parameters()))
+
+    module: Any = pl.LightningModule
+
+    class Wrapped(module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return loss_fn(self.model, batch) / count_fn(batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return recording
+
+    loader: Any = torch.utils.data.DataLoader(list(micro), batch_size=None, shuffle=False)  # type: ignore[arg-type]
+    quiet = [logging.getLogger(name) for name in ("lightning", "lightning.pytorch", "pytorch_lightning")]
+    levels = [log.level for log in quiet]
+    try:
+        for log in quiet:
+            log.setLevel(logging.ERROR)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=1,
+            accumulate_grad_batches=len(micro),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            deterministic=False,
+        )
+        trainer.fit(Wrapped(), train_dataloaders=loader)
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+    if len(recording.received) != 1:
+        raise RuntimeError(f"Lightning stepped the optimizer {len(recording.received)} times in one window")
+    return recording.received[0]
+
+
+def _gradaccum(
+    model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
+) -> list[torch.Tensor]:
+    recording = _Recording(list(model.parameters()))
+    Accumulator(model, recording).step(list(micro), loss_fn, count_fn)
+    return recording.received[-1]
+
+
+_Recipe = Callable[[nn.Module, Sequence[Batch], LossFn, CountFn], list[torch.Tensor]]
+
+# (recipe, framework, import name, run, which loss it accumulates)
+_RECIPES: tuple[tuple[str, str, str, _Recipe, str], ...] = (
+    ("hand-written loop: (loss / k).backward()", "torch", "torch", _hand_loop, "mean"),
+    ("Accelerator.accumulate()", "accelerate", "accelerate", _accelerate, "mean"),
+    ("Trainer(accumulate_grad_batches=k)", "lightning", "lightning", _lightning, "mean"),
+    ("Accumulator.step", "gradaccum", "gradaccum", _gradaccum, "exact"),
+)
+
+
+def _installed(module: str) -> bool:
+    if module == "lightning":
+        return any(importlib.util.find_spec(m) is not None for m in ("lightning", "pytorch_lightning"))
+    return importlib.util.find_spec(module) is not None
+
+
+def _version(module: str) -> str:
+    names = ("lightning", "pytorch-lightning") if module == "lightning" else (module,)
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+    return ""
+
+
+def _mean_cause(counts: Sequence[int], unit: str, error: float) -> str:
+    k, units = len(counts), sum(counts)
+    if len(set(counts)) == 1:
+        return (
+            f"every micro-batch counts {counts[0]} {unit}: the mean of the {k} micro-batch means equals the "
+            f"full batch's mean; what is left ({error:.1e}) is rounding"
+        )
+    weights = [k * n / units for n in counts]
+    return (
+        f"the mean loss per micro-batch divided by k = {k} weighs micro-batch {unit} unequally: "
+        f"{' vs '.join(str(n) for n in counts)} {unit} (N = {units}) each weigh 1/{k} instead of n_j/N, "
+        f"so a {unit[:-1] if unit.endswith('s') else unit}'s gradient is off by factors "
+        f"{1 / max(weights):.2f} to {1 / min(weights):.2f}"
+    )
+
+
+def _exact_cause(counts: Sequence[int], unit: str, error: float) -> str:
+    return (
+        f"each micro-batch's summed loss is divided by the window's N = {sum(counts)} {unit}, counted "
+        f"before the first backward: the full batch's objective; what is left ({error:.1e}) is "
+        "float64 rounding"
+    )
+
+
+@contextlib.contextmanager
+def _framework_side_effects_undone() -> Iterator[None]:
+    """The frameworks' warnings silenced, and the process environment given back as found (importing
+    Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK``; nothing here reads the variables)."""
+    import os
+    import warnings
+
+    environ = dict(os.environ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
+        os.environ.update(environ)
+
+
+def audit_stack(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    count_fn: CountFn,
+    *,
+    micro_batch: int,
+    workload: str = "",
+    unit: str = "units",
+    progress: Progress | None = None,
+) -> StackAudit:
+    """Every installed framework's accumulation recipe on one window (``batch`` cut into micro-batches
+    of ``micro_batch``) against the full batch's gradient, float64 (module docstring). ``model`` is
+    copied; it, its gradients and the random state are left as they were. ``progress`` is called with
+    one line per recipe."""
+    from gradaccum.batch import cast, split
+
+    micro = split(cast(batch, torch.float64), micro_batch)
+    counts = tuple(host_count(count_fn(mb), f"micro-batch {j}") for j, mb in enumerate(micro))
+    rows: list[RecipeRow] = []
+    with preserved_rng(), contextlib.ExitStack() as stack:
+        base = float64_copy(model, stack)
+        reference = full_batch_gradient(copy.deepcopy(base), micro, loss_fn, count_fn)
+        for recipe, framework, module, run, kind in _RECIPES:
+            if not _installed(module):
+                rows.append(
+                    RecipeRow(
+                        recipe=recipe,
+                        framework=framework,
+                        status="not installed",
+                        error=None,
+                        cause=f"not installed (importlib.util.find_spec({module!r}) is None)",
+                    )
+                )
+                if progress is not None:
+                    progress(f"{recipe}: {framework} is not installed")
+                continue
+            if progress is not None:
+                progress(f"{recipe} ({framework}) on {len(micro)} micro-batches ...")
+            with _framework_side_effects_undone():
+                got = run(copy.deepcopy(base), micro, loss_fn, count_fn)
+            error = rel_l2(got, reference)
+            cause = (_mean_cause if kind == "mean" else _exact_cause)(counts, unit, error)
+            rows.append(
+                RecipeRow(
+                    recipe=recipe,
+                    framework=framework,
+                    status="measured",
+                    error=error,
+                    cause=cause,
+                    version=_version(module),
+                )
+            )
+            if progress is not None:
+                progress(f"  update error {error:.2e}")
+    rows.append(
+        RecipeRow(
+            recipe="DeepSpeed gradient_accumulation_steps",
+            framework="deepspeed",
+            status="not run" if _installed("deepspeed") else "not installed",
+            error=None,
+            cause=(
+                "not run by this command: deepspeed.initialize needs a launched process group and a "
+                "DeepSpeed configuration; its engine divides each micro-batch's loss by "
+                "gradient_accumulation_steps, the mean-of-means weighting of the rows above"
+                if _installed("deepspeed")
+                else "not installed (importlib.util.find_spec('deepspeed') is None)"
+            ),
+            version=_version("deepspeed") if _installed("deepspeed") else "",
+        )
+    )
+    units = sum(counts)
+    return StackAudit(
+        workload=workload,
+        objective=f"loss_fn summed over every counted {unit[:-1] if unit.endswith('s') else unit} of the "
+        f"window / N (N = {units}), float64",
+        window=f"{len(micro)} micro-batches of {micro_batch}, {batch_size(batch)} examples, {units} {unit} "
+        f"(per micro-batch {list(counts)})",
+        counts=counts,
+        model="a float64 deep copy of the model, train mode kept, every dropout probability set to 0",
+        rows=tuple(rows),
+    )
