@@ -15,6 +15,8 @@ passes). The parts' lifetimes:
   model traced while no hook was there never calls one registered later (torch.compile skips the
   guards on module hooks), so per-window hooks would silently miss the window's rows; outside a
   window they return at once, and when the accumulator is dropped they remove themselves;
+- a load balance's router hooks (:mod:`gradaccum.moe.capture`) live from construction to ``close()``
+  for the same reason; outside the step's recording they return at once;
 - DDP's communication hook cannot be unregistered: it holds the accumulator weakly and is DDP's
   plain average outside an open window.
 
