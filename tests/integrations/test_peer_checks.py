@@ -23,10 +23,12 @@ figures; the ranges asserted here are the ones that table prints, so the page ca
 Tolerances. GPT-2's own loss runs in float32 (``ForCausalLMLoss`` calls ``logits.float()``), and
 Trainer keeps the logged loss in a float32 tensor: a run whose weights are right agrees with
 another to a few float32 ulps (6e-8 relative each), with the float64 reference to the same; the
-bounds below (1e-5 absolute on losses near 3.5, 1e-6 relative) leave a margin of 10-100 over the
-measured figures. A wrong weight is off by a ratio of counts: 8/53 (one label too many in each of 8
-rows of 53 labels) and 8/45 (one of 45 per row in the recipe), asserted to 1e-4 relative. The
-exact Accumulator's loss is summed in float64: 1e-16 rounding, asserted below 1e-12.
+bounds below (1e-5 absolute on losses near 3.5, where a float32 ulp is 2.4e-7; 1e-6 relative)
+leave a margin of 20 or more over the measured figures (4.8e-7, 4.0e-8). A wrong weight is off by
+a ratio of counts: 8/53 (Trainer counts one label too many in each of 8 rows, 53 labels) and 8/45
+(the recipe counts each of 8 rows' first label, 45 labels), float32 rounding aside: asserted to
+1e-4 relative. The exact Accumulator's loss is summed in float64: 3e-16 measured, asserted below
+1e-12.
 """
 
 from __future__ import annotations
