@@ -19,6 +19,10 @@ figures; the ranges asserted here are the ones that table prints, so the page ca
    no logit predicts. The figure: the relative L2 error of the window's gradient against the
    float64 full-batch gradient of the objective the model computes (the mean over the labels it
    scores), for the recipe as written and for ``prepare_accumulator`` on the same window.
+3. TRL's SFT invariance (accumulation on or off gives the same training): check 1's metric and its
+   full-batch figure on ``SFTTrainer`` and ``gradaccum.integrations.trl.exact_trainer(SFTTrainer)``,
+   a tiny float64 Llama and a word tokenizer (``tests.rl.trl_common``), pre-tokenized data of the
+   same uneven lengths; the reference batch is the first 8 examples as SFT's collator writes them.
 
 Tolerances. GPT-2's own loss runs in float32 (``ForCausalLMLoss`` calls ``logits.float()``), and
 Trainer keeps the logged loss in a float32 tensor: a run whose weights are right agrees with
@@ -46,6 +50,8 @@ from tests.integrations import common
 
 PEER_STEPS = 5  # transformers' test: max_steps=5, logging_steps=1
 EXAMPLES = 8 * PEER_STEPS
+pytestmark = pytest.mark.slow  # 9 trainer runs of 5 steps: 20 s on an idle 2-core machine
+
 K, M = 2, 4  # transformers' test: gradient_accumulation_steps=2, per_device_train_batch_size=4 vs 1 x 8
 
 
@@ -220,3 +226,81 @@ def test_prepare_accumulator_matches_the_full_batch_on_the_recipe_window(
     recipe_grads: dict[str, Any],
 ) -> None:
     assert _rel_l2(recipe_grads["exact"], recipe_grads["want"]) < 1e-12
+
+
+# --- TRL's SFT: accumulation on and off ---------------------------------------------------------
+
+
+def _sft(cls: type[Trainer], out: Path, k: int, m: int) -> Trainer:
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from tests.rl import trl_common
+
+    tok = trl_common.tokenizer()
+    ids = [(e["input_ids"] % (len(tok) - 3) + 3).tolist() for e in common.sequences(EXAMPLES)]  # no specials
+    args = SFTConfig(
+        output_dir=str(out),
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=m,
+        gradient_accumulation_steps=k,
+        max_steps=PEER_STEPS,
+        learning_rate=3e-4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=42,
+        train_sampling_strategy="sequential",
+        bf16=False,
+    )
+    trainer = cls(
+        model=trl_common.model(tok),
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": ids}),
+        processing_class=tok,
+    )
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("trl")
+    from trl import SFTTrainer
+
+    from gradaccum.integrations.trl import exact_trainer as exact_trl
+    from tests.rl import trl_common
+
+    out = tmp_path_factory.mktemp("sft")
+    exact = exact_trl(SFTTrainer)
+    runs = {
+        "plain 1": _sft(SFTTrainer, out / "p1", 1, K * M),
+        "plain k": _sft(SFTTrainer, out / "pk", K, M),
+        "exact 1": _sft(exact, out / "e1", 1, K * M),
+        "exact k": _sft(exact, out / "ek", K, M),
+    }
+    # the reference: the first 8 examples as SFT's own collator writes them, one float64 batch
+    batch = next(iter(runs["plain 1"].get_train_dataloader()))
+    reference = trl_common.model(trl_common.tokenizer())
+    logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    loss = common.causal_mean_loss(logits, batch["labels"])
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in reference.parameters()]))
+    return {
+        "runs": runs,
+        "loss": loss.detach().item(),
+        "grad_norm": norm.item(),
+        "rows": len(batch["labels"]),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # SFTConfig's own deprecated field
+def test_trl_sft_invariance_holds_on_both_paths_and_against_the_full_batch(sft: dict[str, Any]) -> None:
+    # the Llama's loss type maps to ForCausalLMLoss, so Trainer already counts the shifted labels:
+    # SFTTrainer is exact here, and exact_trainer(SFTTrainer) keeps it so
+    assert sft["rows"] == K * M
+    assert peer_metric(sft, "plain 1", "plain k") < 1e-5
+    assert peer_metric(sft, "exact 1", "exact k") < 1e-5
+    for run in sft["runs"]:
+        assert full_batch_error(sft, run) < 1e-6, run
