@@ -1,8 +1,10 @@
-"""``batchnorm_stats="window"``: BatchNorm's running statistics once per window, as one forward
-over the window's rows would leave them (see :mod:`gradaccum.step.batchnorm`).
+"""``batchnorm_stats="window"``: BatchNorm's running statistics once per window, from the pooled
+moments of what each BatchNorm saw (see :mod:`gradaccum.step.batchnorm`).
 
-The reference is PyTorch itself: a copy of the model runs one training forward over the
-concatenation of the window's micro-batches. Tolerance 1e-12 on float64 buffers: both sides
+For a BatchNorm whose input no other BatchNorm normalized, that is what one forward over the
+window's rows would leave, and the reference is PyTorch itself: a copy of the model runs one
+training forward over the concatenation of the window's micro-batches (a BatchNorm after another
+one is checked against its own recorded inputs, at the end). Tolerance 1e-12 on float64 buffers: both sides
 compute a per-channel mean and variance of at most a few hundred values (relative rounding
 ~1e-16 each, times the rows, ~1e-14), then the same two multiply-adds; the figures observed are
 ~1e-16. Without the feature the running statistics move k times and differ at ~1e-2.
@@ -265,3 +267,58 @@ def test_scan_points_to_the_window_statistics() -> None:
     untracked_bn = nn.Sequential(nn.BatchNorm1d(4, track_running_stats=False))
     (untracked,) = [f for f in scan(untracked_bn, 4) if f.code == "batch-norm"]
     assert "batchnorm_stats" not in untracked.fix
+
+
+class _Stacked(nn.Module):
+    """BatchNorm, a layer, a second BatchNorm: the second normalizes what the first normalized per
+    micro-batch, so what it sees over a window differs from what a whole-window forward shows it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.bn1 = nn.BatchNorm1d(3, dtype=torch.float64)
+        self.lin = nn.Linear(3, 4, dtype=torch.float64)
+        self.bn2 = nn.BatchNorm1d(4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn2(self.lin(self.bn1(x))).sum(1)
+
+
+def test_a_batchnorm_after_another_takes_the_pooled_moments_of_what_it_saw() -> None:
+    """What the setting is, for every BatchNorm: the pooled moments of the inputs of its training
+    forwards over the window (independently: its inputs recorded and pooled by ``torch.var``), not
+    one forward over the window's rows, which the second BatchNorm would see differently (~1e-3
+    apart here). Tolerance 1e-12: the same few dozen values summed in two orders."""
+    torch.manual_seed(0)
+    x = torch.randn(12, 3, dtype=torch.float64) * 2 + 1
+    window = [(x[:4], x[:4, 0]), (x[4:7], x[4:7, 0]), (x[7:], x[7:, 0])]
+    model = _Stacked()
+    whole = copy.deepcopy(model)
+    seen: list[torch.Tensor] = []
+    handle = model.bn2.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), batchnorm_stats="window")
+    acc.step(window, _loss, _count)
+    handle.remove()
+    acc.close()
+    rows = torch.cat(seen)
+    momentum = model.bn2.momentum
+    assert momentum is not None
+    running_mean = model.bn2.running_mean
+    running_var = model.bn2.running_var
+    assert running_mean is not None and running_var is not None
+    pooled_mean = momentum * rows.mean(0)
+    pooled_var = (1 - momentum) + momentum * rows.var(0, unbiased=True)
+    assert (running_mean - pooled_mean).abs().max().item() < EXACT
+    assert (running_var - pooled_var).abs().max().item() < EXACT
+    whole(x)  # one forward over the window's rows: the first BatchNorm agrees, the second does not
+    assert torch.allclose(model.bn1.running_var, whole.bn1.running_var, rtol=0, atol=EXACT)
+    assert whole.bn2.running_var is not None
+    assert (running_var - whole.bn2.running_var).abs().max().item() > 1e-4
+
+
+def test_the_settings_words_say_pooled_moments_not_one_forward() -> None:
+    """The field's documentation says what the statistic is for every BatchNorm."""
+    from gradaccum.fielddocs import field_docs
+
+    words = " ".join(field_docs(AccumConfig)["batchnorm_stats"].split())
+    assert "pooled moments of what each BatchNorm saw" in words
