@@ -18,8 +18,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# accept's own exit code tells scripts its verdict (0 adopt or keep the baseline, 3 inconclusive);
+# here any verdict is a finished run: only a run that could not decide anything fails `make run`
 run: $(STAMP)
-	$(BIN)/gradaccum accept
+	@$(BIN)/gradaccum accept; code=$$?; \
+	case $$code in \
+	  0) echo "make run: done; accept's verdict is above (gradaccum accept itself exited 0: ADOPT or KEEP BASELINE)";; \
+	  3) echo "make run: done; accept's verdict is INCONCLUSIVE: the runs could not tell the two plans apart on this machine, a result, not a failure (gradaccum accept itself exits 3 for scripts; run it again on a quieter machine, or with more --runs)";; \
+	  *) echo "make run: gradaccum accept could not reach a verdict (exit $$code; 1 a check failed, 2 bad input: see above)" >&2; exit $$code;; \
+	esac
 
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -1,10 +1,14 @@
 """MoE load balancing: what each mode costs per update, and what it does to a short training run.
 
-Cost: the library's step on a tiny transformers Mixtral (float32, eager experts), one window of k
+Cost: the library's step on a transformers Mixtral (float32, eager experts), one window of k
 micro-batches per update, timed side by side in paired rounds (``paired.py``): the step without a
 balance (cross-entropy only), then with ``LoadBalance`` in ``micro-batch``, ``lagged`` and ``exact``
-mode, each as a ratio to the first. ``exact`` runs a no-grad routing pass over the window before
-its forwards, so its ratio is bounded by about 1 + (forward / (forward + backward)).
+mode, each as a ratio to the first, and exact and micro-batch mode over lagged mode. Two models:
+the tiny one of the quality runs, and one with a realistic vocabulary (32,000 tokens, width 64, 4
+layers, 8 experts top-2, k=4 micro-batches of 4x64 tokens), where the LM head and the loss are
+most of a forward. ``exact`` runs a no-grad routing pass over the window before its forwards,
+each forward ending at the last router, so its cost over lagged mode is about the share of a
+forward up to the last router in a forward and backward.
 
 Quality: the same tiny Mixtral trained from scratch on sequences drawn from a few "topics" (each
 topic its own token distribution), the micro-batches of a window each holding one topic, as
@@ -14,6 +18,8 @@ expert-load imbalance, the coefficient of variation (std/mean) of each layer's p
 token counts on the held-out set, averaged over the layers.
 
     .venv/bin/python benchmarks/moe.py [--rounds 20] [--steps 60] [--threads 1]
+
+``--steps 0`` skips the quality runs (the cost tables only).
 """
 
 from __future__ import annotations
@@ -26,27 +32,37 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from options import parse_counts
-from paired import paired_ratios
+from paired import paired_times
 
 from gradaccum import Accumulator
 from gradaccum.moe import LoadBalance
 
 MODES = ("micro-batch", "lagged", "exact")
 VOCAB, SEQ, ROWS, K, TOPICS = 64, 32, 4, 4, 4
+LARGE_VOCAB, LARGE_SEQ, LARGE_WIDTH, LARGE_LAYERS = 32_000, 64, 64, 4
+"""The realistic-vocabulary Mixtral of the second cost table (k=K micro-batches of ROWS rows)."""
 Batch = dict[str, torch.Tensor]
 
 
-def _model(seed: int, *, layers: int = 2, coef: float = 0.05) -> nn.Module:
+def _model(
+    seed: int,
+    *,
+    layers: int = 2,
+    coef: float = 0.05,
+    vocab: int = VOCAB,
+    width: int = 32,
+    seq: int = SEQ,
+) -> nn.Module:
     import transformers as tf
 
     config = tf.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=SEQ,
+        max_position_embeddings=seq,
         num_local_experts=8,
         num_experts_per_tok=2,
         router_aux_loss_coef=coef,
@@ -59,11 +75,13 @@ def _model(seed: int, *, layers: int = 2, coef: float = 0.05) -> nn.Module:
 
 def _ce(model: nn.Module, mb: Batch) -> torch.Tensor:
     logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, VOCAB), mb["input_ids"][:, 1:].reshape(-1), reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), mb["input_ids"][:, 1:].reshape(-1), reduction="sum"
+    )
 
 
 def _tokens(mb: Batch) -> int:
-    return int(mb["input_ids"].shape[0]) * (SEQ - 1)
+    return int(mb["input_ids"].shape[0]) * (int(mb["input_ids"].shape[1]) - 1)
 
 
 class Topics:
@@ -95,19 +113,44 @@ class Topics:
         return [self.batch(int(t), ROWS) for t in order]
 
 
-def _step_runner(mode: str | None, window: list[Batch]) -> Callable[[], object]:
-    model = _model(0)
+def _step_runner(
+    mode: str | None, window: list[Batch], build: Callable[[], nn.Module]
+) -> Callable[[], object]:
+    model = build()
     balance = None if mode is None else LoadBalance.from_model(model, mode=mode)  # type: ignore[arg-type]
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=1e-4), balance=balance)
     return lambda: acc.step(window, _ce, _tokens)
 
 
-def cost(rounds: int) -> dict[str, float]:
-    window = Topics(0).window()
-    runners: dict[str, Callable[[], object]] = {"no balance": _step_runner(None, window)}
+def _large_window() -> list[Batch]:
+    """K micro-batches of ROWS x LARGE_SEQ tokens drawn uniformly from the large vocabulary."""
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, LARGE_VOCAB, (ROWS, LARGE_SEQ), generator=gen) for _ in range(K)]
+    return [{"input_ids": x, "attention_mask": torch.ones_like(x)} for x in ids]
+
+
+def cost(rounds: int, *, large: bool) -> dict[str, float]:
+    """Each mode's step time over the step without a balance, and exact and micro-batch mode's
+    over lagged mode's, medians of ``rounds`` paired rounds (every runner once per round)."""
+    if large:
+        window = _large_window()
+
+        def build() -> nn.Module:
+            return _model(0, layers=LARGE_LAYERS, vocab=LARGE_VOCAB, width=LARGE_WIDTH, seq=LARGE_SEQ)
+    else:
+        window = Topics(0).window()
+
+        def build() -> nn.Module:
+            return _model(0)
+
+    runners: dict[str, Callable[[], object]] = {"no balance": _step_runner(None, window, build)}
     for mode in MODES:
-        runners[mode] = _step_runner(mode, window)
-    return paired_ratios(runners, "no balance", rounds)
+        runners[mode] = _step_runner(mode, window, build)
+    took = paired_times(runners, rounds)
+    ratios = {mode: statistics.median(t[mode] / t["no balance"] for t in took) for mode in MODES}
+    for mode in ("exact", "micro-batch"):
+        ratios[f"{mode} / lagged"] = statistics.median(t[mode] / t["lagged"] for t in took)
+    return ratios
 
 
 def _held_out(model: nn.Module, data: list[Batch]) -> tuple[float, float]:
@@ -147,12 +190,27 @@ def quality(mode: str, seed: int, steps: int) -> tuple[float, float]:
 def main() -> None:
     args = parse_counts(__doc__, rounds=20, steps=60)
     print(
-        f"torch {torch.__version__}, {args.threads} thread(s); tiny Mixtral (2 layers, 8 experts, top-2, "
-        f"width 32), k={K} micro-batches of {ROWS}x{SEQ} tokens"
+        f"torch {torch.__version__}, {args.threads} thread(s), float32; "
+        f"step time, medians of {args.rounds} paired rounds"
     )
-    ratios = cost(args.rounds)
-    cells = "   ".join(f"{mode} {ratio:.2f}x" for mode, ratio in ratios.items())
-    print(f"step time over the step without a balance (median of {args.rounds} paired rounds): {cells}")
+    for large, label in (
+        (
+            False,
+            f"tiny Mixtral (vocab {VOCAB}, width 32, 2 layers, 8 experts, top-2), "
+            f"k={K} x {ROWS}x{SEQ} tokens",
+        ),
+        (
+            True,
+            f"Mixtral (vocab {LARGE_VOCAB:,}, width {LARGE_WIDTH}, {LARGE_LAYERS} layers, 8 experts, top-2), "
+            f"k={K} x {ROWS}x{LARGE_SEQ} tokens",
+        ),
+    ):
+        ratios = cost(args.rounds, large=large)
+        over_none = "   ".join(f"{mode} {ratios[mode]:.3f}x" for mode in MODES)
+        over_lagged = "   ".join(f"{m} {ratios[f'{m} / lagged']:.3f}x" for m in ("exact", "micro-batch"))
+        print(f"{label}\n  over no balance: {over_none}\n  over lagged:     {over_lagged}")
+    if args.steps == 0:
+        return
     print(f"quality after {args.steps} updates (AdamW 3e-3, coef 0.05), 3 seeds: held-out CE, load CV")
     for mode in MODES:
         runs = [quality(mode, seed, args.steps) for seed in range(3)]

@@ -28,6 +28,11 @@ def _paired_rounds(runners: dict[str, Callable[[], object]], rounds: int) -> Ite
             yield took
 
 
+def paired_times(runners: dict[str, Callable[[], object]], rounds: int) -> list[dict[str, float]]:
+    """Each measured round's seconds per runner, for ratios between any two runners of one round."""
+    return list(_paired_rounds(runners, rounds))
+
+
 def paired_ratios(runners: dict[str, Callable[[], object]], reference: str, rounds: int) -> dict[str, float]:
     """Median over ``rounds`` of each runner's time divided by the same round's ``reference`` time."""
     took = list(_paired_rounds(runners, rounds))

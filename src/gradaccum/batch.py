@@ -1,11 +1,15 @@
 """Batches as tensors, tuples or mappings of tensors that share dim 0: size, slice, split, move.
 
 The equivalence check, the benchmarks and the trainer all cut one batch of examples into
-micro-batches; this module is the one place that knows how.
+micro-batches; this module is the one place that knows how. It is also the one reading of a
+micro-batch's named fields (:func:`fields`): any mapping (a dict, transformers' ``BatchEncoding``,
+a ``UserDict``), a namedtuple or a dataclass, so that no reader asks "is this a dict?" and misses
+the mask of a batch a tokenizer or collator returned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -20,6 +24,7 @@ __all__ = [
     "batch_size",
     "cast",
     "concat",
+    "fields",
     "pad_length",
     "select",
     "split",
@@ -33,11 +38,36 @@ Batch: TypeAlias = Any
 """A tensor, or a tuple/list/mapping (possibly nested) of tensors that share dim 0."""
 
 
+def fields(micro_batch: Batch) -> Mapping[Any, Any] | None:
+    """A micro-batch's named fields, or ``None`` where it has no names (a tensor, a plain tuple or
+    list, anything else).
+
+    Any :class:`~collections.abc.Mapping` is returned as it is (a dict, transformers'
+    ``BatchEncoding``, a ``UserDict``: their ``attention_mask`` is read the same way); a
+    namedtuple's and a dataclass instance's fields come back as a dict by name. Every library reader
+    of a micro-batch's ``attention_mask``, ``labels`` or other field goes through this function.
+    """
+    if isinstance(micro_batch, Mapping):
+        return micro_batch
+    if isinstance(micro_batch, tuple) and hasattr(micro_batch, "_fields"):
+        return dict(zip(micro_batch._fields, micro_batch, strict=True))
+    if dataclasses.is_dataclass(micro_batch) and not isinstance(micro_batch, type):
+        return {f.name: getattr(micro_batch, f.name) for f in dataclasses.fields(micro_batch)}
+    return None
+
+
+def _is_record(batch: Any) -> bool:
+    """A dataclass instance: walked field by field, rebuilt with its own type."""
+    return dataclasses.is_dataclass(batch) and not isinstance(batch, type)
+
+
 def _leaves(batch: Batch) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, Mapping):
         return [leaf for value in batch.values() for leaf in _leaves(value)]
+    if _is_record(batch):
+        return [leaf for f in dataclasses.fields(batch) for leaf in _leaves(getattr(batch, f.name))]
     if isinstance(batch, (tuple, list)):
         return [leaf for value in batch for leaf in _leaves(value)]
     return []
@@ -60,9 +90,16 @@ def _map(batch: Batch, fn: Any) -> Batch:
         return fn(batch)
     if isinstance(batch, Mapping):
         return _rebuild(batch, {key: _map(value, fn) for key, value in batch.items()})
+    if _is_record(batch):
+        return _record(batch, {f.name: _map(getattr(batch, f.name), fn) for f in dataclasses.fields(batch)})
     if isinstance(batch, (tuple, list)):
         return _rebuild(batch, [_map(value, fn) for value in batch])
     return batch
+
+
+def _record(like: Any, values: dict[str, Any]) -> Any:
+    """A copy of the dataclass instance ``like`` holding ``values`` (its fields by name)."""
+    return dataclasses.replace(like, **values)
 
 
 def batch_size(batch: Batch) -> int:
@@ -150,6 +187,9 @@ def concat(batches: Sequence[Batch]) -> Batch:
         return torch.cat(list(batches))
     if isinstance(first, Mapping):
         return _rebuild(first, {key: concat([b[key] for b in batches]) for key in first})
+    if _is_record(first):
+        names = [f.name for f in dataclasses.fields(first)]
+        return _record(first, {n: concat([getattr(b, n) for b in batches]) for n in names})
     if isinstance(first, (tuple, list)):
         return _rebuild(first, [concat([b[i] for b in batches]) for i in range(len(first))])
     raise PlanError(f"cannot concatenate batches of type {type(first).__name__}")
@@ -170,11 +210,12 @@ def pad_length(batch: Batch, multiple: int, values: Mapping[str | int, float] | 
     """``batch`` with dim 1 (the sequence) of every tensor of 2 or more dims right-padded to a
     multiple of ``multiple``; tensors of one dim (per-row values) are kept.
 
-    The value of each padded tensor is ``values[key]`` (its key in a mapping, or its index in a
-    tuple), else :data:`PAD_VALUES`; a padded tensor without one is refused. Right padding with
-    labels at the ignore index leaves a causal model's loss, counts and gradients unchanged (no
-    earlier position attends to a later one); a bidirectional model also needs its attention mask
-    padded with 0, as the defaults do. Padded tensors are new, contiguous tensors.
+    The value of each padded tensor is ``values[key]`` (its key in a mapping or its field's name in
+    a dataclass or a namedtuple, or its index in a tuple), else :data:`PAD_VALUES`; a padded tensor
+    without one is refused. Right padding with labels at the ignore index leaves a causal model's
+    loss, counts and gradients unchanged (no earlier position attends to a later one); a
+    bidirectional model also needs its attention mask padded with 0, as the defaults do.
+    Padded tensors are new, contiguous tensors.
     """
     require_int("pad_to_multiple", multiple, error=PlanError)
     table = {**PAD_VALUES, **(values or {})}
@@ -212,8 +253,16 @@ def pad_length(batch: Batch, multiple: int, values: Mapping[str | int, float] | 
         return pad(None, batch)
     if isinstance(batch, Mapping):
         return _rebuild(batch, {key: _map(value, lambda t, k=key: pad(k, t)) for key, value in batch.items()})
+    if _is_record(batch):
+        named = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        return _record(batch, {key: _map(value, lambda t, k=key: pad(k, t)) for key, value in named.items()})
     if isinstance(batch, (tuple, list)):
-        return _rebuild(batch, [_map(value, lambda t, i=i: pad(i, t)) for i, value in enumerate(batch)])
+        # a namedtuple's tensor is padded by its field's name where the table knows it, else by index
+        names = getattr(batch, "_fields", None) or [None] * len(batch)
+        keys = [n if n in table else i for i, n in enumerate(names)]
+        return _rebuild(
+            batch, [_map(value, lambda t, k=k: pad(k, t)) for k, value in zip(keys, batch, strict=True)]
+        )
     return batch
 
 

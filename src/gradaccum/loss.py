@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradaccum.batch import batch_size
+from gradaccum.batch import batch_size, fields
 from gradaccum.errors import ConfigError, CountError, CountTypeError, LossError
 from gradaccum.fielddocs import document_fields
 from gradaccum.names import NORMALIZATIONS, Normalization
@@ -68,7 +68,13 @@ def count_tokens(
     """A ``count_fn`` counting valid tokens of ``micro_batch[key]`` (see :func:`valid_tokens`)."""
 
     def count_fn(micro_batch: Any) -> torch.Tensor:
-        labels = micro_batch[key] if isinstance(micro_batch, (Mapping, tuple, list)) else micro_batch  # type: ignore[index]
+        named = fields(micro_batch) if isinstance(key, str) else None
+        if named is not None:
+            labels = named[key]
+        elif isinstance(micro_batch, (Mapping, tuple, list)):
+            labels = micro_batch[key]  # type: ignore[index]
+        else:
+            labels = micro_batch
         return valid_tokens(labels, ignore_index=ignore_index, shift=shift)
 
     count_fn.__qualname__ = f"count_tokens({key!r}, ignore_index={ignore_index}, shift={shift})"
@@ -221,14 +227,15 @@ class CausalLMLoss:
     def loss_fn(self, model: nn.Module, micro_batch: Any) -> torch.Tensor:
         """The micro-batch's loss summed over its units: token losses weighted 1, 1/n_row or 1/n_doc."""
         targets = self._targets(micro_batch)
-        inputs = {key: micro_batch[key] for key in _MODEL_KEYS if key in micro_batch}
+        named = _named(micro_batch)
+        inputs = {key: named[key] for key in _MODEL_KEYS if key in named}
         if self.mask_documents and targets.segments is not None:
             given = inputs.get("attention_mask")
             if given is None or given.ndim == 2:
                 inputs["attention_mask"] = block_causal_mask(
                     targets.segments, given, dtype=_float_dtype(model)
                 )
-        logits = logits_of(model(**inputs), micro_batch["labels"], who="CausalLMLoss", against="labels")
+        logits = logits_of(model(**inputs), named["labels"], who="CausalLMLoss", against="labels")
         if self.shift:
             logits = logits[:, :-1, :]
         flat = logits.reshape(-1, logits.shape[-1])
@@ -249,8 +256,8 @@ class CausalLMLoss:
         rows, seq = labels.shape
         segments = document_segments(
             labels.shape,
-            position_ids=micro_batch.get("position_ids"),
-            document_ids=micro_batch.get("document_ids"),
+            position_ids=_named(micro_batch).get("position_ids"),
+            document_ids=_named(micro_batch).get("document_ids"),
         )
         if segments is not None:
             segments = segments.to(labels.device)
@@ -285,7 +292,7 @@ class CausalLMLoss:
     def _refuse_continued(self, micro_batch: Any, targets: _Targets) -> None:
         """A row whose positions do not start at 0 continues a unit from another row: refuse it
         when its first document has a target (the padding of a left-padded row has none)."""
-        positions = micro_batch.get("position_ids")
+        positions = _named(micro_batch).get("position_ids")
         if positions is None or targets.first is None or targets.unit is None:
             return
         if positions.ndim == 1:
@@ -305,14 +312,20 @@ class CausalLMLoss:
             )
 
 
-def _labels(micro_batch: Any, ignore_index: int) -> torch.Tensor:
-    if not isinstance(micro_batch, Mapping) or "labels" not in micro_batch or "input_ids" not in micro_batch:
-        keys = sorted(micro_batch) if isinstance(micro_batch, Mapping) else type(micro_batch).__name__
+def _named(micro_batch: Any) -> Mapping[Any, Any]:
+    """The micro-batch's fields (:func:`gradaccum.batch.fields`), holding 'input_ids' and 'labels'."""
+    named = fields(micro_batch)
+    if named is None or "labels" not in named or "input_ids" not in named:
+        keys = sorted(map(str, named)) if named is not None else type(micro_batch).__name__
         raise LossError(
             f"CausalLMLoss needs a micro-batch mapping with 'input_ids' and 'labels' (and optionally "
             f"'attention_mask', 'position_ids', 'document_ids'), got {keys}"
         )
-    labels = micro_batch["labels"]
+    return named
+
+
+def _labels(micro_batch: Any, ignore_index: int) -> torch.Tensor:
+    labels = _named(micro_batch)["labels"]
     if not isinstance(labels, torch.Tensor) or labels.ndim != 2:
         shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise CountTypeError(f"CausalLMLoss: labels must be a (rows, seq) tensor, got {shape}")

@@ -79,6 +79,10 @@ class RunCard:
     compile: bool = False
     """The model ran compiled (``torch.compile``, in place, before DDP): ``train --runcard``
     compiles too. Cards written before issue 23 have no such field and read as eager."""
+    balance: dict[str, Any] | None = None
+    """A routing (mixture-of-experts) model's load balance as it ran: ``{"mode": "exact" | "lagged" |
+    "micro-batch" | "off", "coef": the balancing term's coefficient}``; ``train --runcard`` runs the
+    same mode. ``None``: a dense model, or a card written before the field (the model's own choice)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -87,6 +91,8 @@ class RunCard:
             raise RunCardError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not isinstance(self.compile, bool):
             raise RunCardError(f"run card 'compile' must be true or false, got {self.compile!r}")
+        if self.balance is not None:
+            _check_balance(self.balance)
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -96,12 +102,27 @@ class RunCard:
     def global_batch(self) -> int:
         return self.plan.global_batch
 
+    def label(self) -> str:
+        """The configuration's name: the plan's (``4x8``), or a token budget's (``tokens<=256``)."""
+        return self.plan.label() if self.max_tokens is None else f"tokens<={self.max_tokens}"
+
+    def equation(self) -> str:
+        """The batch equation; with a token budget, the window in rows and the budget of each
+        micro-batch (the number of micro-batches follows the lengths)."""
+        if self.max_tokens is None:
+            return self.plan.equation()
+        return (
+            f"global_batch = {self.plan.global_batch} rows over dp {self.plan.dp}, micro-batches of at "
+            f"most max_tokens {self.max_tokens} tokens"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": FORMAT_VERSION,
             "workload": self.workload,
-            "micro_batch": self.plan.micro_batch,
-            "accum_steps": self.plan.accum_steps,
+            # a token budget cuts the window by lengths: no fixed micro-batch or count to record
+            "micro_batch": self.plan.micro_batch if self.max_tokens is None else None,
+            "accum_steps": self.plan.accum_steps if self.max_tokens is None else None,
             "dp": self.plan.dp,
             "global_batch": self.plan.global_batch,
             "accum": self.accum.to_dict(),
@@ -119,6 +140,7 @@ class RunCard:
             "extra": dict(self.extra),
             "compile": self.compile,
             "max_tokens": self.max_tokens,
+            "balance": None if self.balance is None else dict(self.balance),
         }
 
     @classmethod
@@ -144,8 +166,10 @@ class RunCard:
         missing = [key for key in required if key not in data]
         if missing:
             raise RunCardError(f"run card is missing {', '.join(missing)} (truncated or edited by hand?)")
+        max_tokens = data.get("max_tokens")
+        require_int("run card max_tokens", max_tokens, error=RunCardError, none_ok=True)
         try:
-            plan = BatchPlan(micro_batch=data["micro_batch"], accum_steps=data["accum_steps"], dp=data["dp"])
+            plan = _plan(data, max_tokens)
         except GradAccumError as exc:
             raise RunCardError(f"run card plan is invalid: {exc}") from exc
         if data["global_batch"] != plan.global_batch:
@@ -178,8 +202,6 @@ class RunCard:
                 raise RunCardError(f"run card '{key}' must be a string or null, got {data[key]!r}")
         tokens = data.get("tokens_per_step")
         require_int("run card tokens_per_step", tokens, low=0, error=RunCardError, none_ok=True)
-        max_tokens = data.get("max_tokens")
-        require_int("run card max_tokens", max_tokens, error=RunCardError, none_ok=True)
         return cls(
             workload=data["workload"],
             plan=plan,
@@ -198,7 +220,50 @@ class RunCard:
             extra=dict(extra),
             compile=data.get("compile", False),
             max_tokens=max_tokens,
+            balance=data.get("balance"),
         )
+
+
+def _plan(data: dict[str, Any], max_tokens: int | None) -> BatchPlan:
+    """The card's plan. A token-budget card records ``micro_batch`` and ``accum_steps`` as null (the
+    window is cut by lengths): its plan is the global batch as rows per rank in one window. Cards
+    written before that record ``global_batch / dp`` and 1, which read the same."""
+    micro, accum, dp = data["micro_batch"], data["accum_steps"], data["dp"]
+    if max_tokens is not None and micro is None and accum is None:
+        require_int("run card dp", dp, error=RunCardError)
+        rows = data["global_batch"]
+        require_int("run card global_batch", rows, error=RunCardError)
+        if rows % dp:
+            raise RunCardError(
+                f"run card global_batch {rows} is not a multiple of dp {dp}: a token-budget card holds "
+                "the global batch as rows per rank (edited by hand?)"
+            )
+        return BatchPlan(micro_batch=rows // dp, accum_steps=1, dp=dp)
+    if micro is None or accum is None:
+        raise RunCardError(
+            "run card micro_batch and accum_steps are null, which only a token-budget card (with "
+            "max_tokens) records; give both, or max_tokens (edited by hand?)"
+        )
+    return BatchPlan(micro_batch=micro, accum_steps=accum, dp=dp)
+
+
+_BALANCE_MODES = ("exact", "lagged", "micro-batch", "off")
+
+
+def _check_balance(balance: object) -> None:
+    """A recorded load balance: ``{"mode": ..., "coef": number or null}``, nothing else."""
+    if (
+        not isinstance(balance, dict)
+        or set(balance) != {"mode", "coef"}
+        or balance["mode"] not in _BALANCE_MODES
+    ):
+        raise RunCardError(
+            f"run card 'balance' must be null or {{\"mode\": one of {', '.join(_BALANCE_MODES)}, "
+            f'"coef": a number or null}}, got {balance!r} (edited by hand?)'
+        )
+    coef = balance["coef"]
+    if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0):
+        raise RunCardError(f"run card 'balance' coef must be a number >= 0 or null, got {coef!r}")
 
 
 def write_runcard(card: RunCard, path: str | os.PathLike[str]) -> None:

@@ -5,6 +5,7 @@ micro-batches, the paired runs measure them, and the run card of an adopted cand
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from gradaccum.bench.accept import AcceptResult, AcceptSpec, Arm, make_runcard, run_accept
 from gradaccum.bench.accept_checks import token_partition
+from gradaccum.bench.accept_report import verdict_lines
 from gradaccum.bench.runfolder import new_run_folder, write_accept_folder
 from gradaccum.bench.spec import MeasureSettings
 from gradaccum.check.workload import load_workload
@@ -73,7 +75,14 @@ def test_an_adopted_token_budget_is_in_the_card_and_train_replays_it(
         environment(),
         "t",
     )
+    # the verdict names the arm by its budget, not by a plan it did not run (16x1)
+    adopt = dataclasses.replace(result.verdict, decision="ADOPT")  # whatever this machine measured
+    (first, *_) = verdict_lines(dataclasses.replace(result, card=adopted, verdict=adopt))
+    assert first.startswith(f"ADOPT: the run card records tokens<={BUDGET} (global_batch = 16 rows")
+    assert "16x1" not in first and "accum_steps" not in first
     write_runcard(adopted, tmp_path / "runcard.json")
+    recorded = json.loads((tmp_path / "runcard.json").read_text())
+    assert (recorded["micro_batch"], recorded["accum_steps"], recorded["max_tokens"]) == (None, None, BUDGET)
     assert read_runcard(tmp_path / "runcard.json").plan == BatchPlan(micro_batch=16, accum_steps=1)
     with one_thread():
         code = main(

@@ -115,3 +115,46 @@ def test_a_failed_memory_probe_is_not_plotted_as_zero() -> None:
     assert xs == [0]  # bars for the measured arm only
     texts = [t.get_text() for t in ax.texts]
     assert "not measured\n(oom)" in texts and "0.00" not in texts
+
+
+def test_every_measured_row_is_in_the_throughput_plot_a_token_budget_included() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from gradaccum.bench.plots import _throughput
+
+    budget = dataclasses.replace(
+        _summary(8, None, units_per_s=Spread.of([1500.0, 1600.0, 1400.0])),
+        spec=MeasureSpec(workload="w:f", micro_batch=8, accum_steps=1, max_tokens=256),
+    )
+    failed_budget = dataclasses.replace(
+        budget, spec=dataclasses.replace(budget.spec, max_tokens=64), status="oom", units_per_s=None
+    )
+    ax = Figure().subplots()
+    _throughput(ax, [_summary(1, None), _summary(2, None), budget, failed_budget])
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(text.startswith("tokens<=256 (a token budget)") for text in legend)
+    assert "tokens<=64: oom" in legend
+    lines = [line for line in ax.get_lines() if list(line.get_ydata()) == [1500.0, 1500.0]]
+    assert len(lines) == 1  # the budget row's median, across the plot
+    assert {t.get_text() for t in ax.texts} >= {"1x8", "2x4"}
+
+
+def test_the_advisor_names_a_token_budget_row_by_its_budget() -> None:
+    from gradaccum.bench.advisor import Row
+
+    figures = MemoryFigures(
+        parameter_bytes=1 << 20,
+        gradient_bytes=1 << 20,
+        optimizer_state_bytes=2 << 20,
+        activation_bytes=1 << 19,
+    )
+    budget = dataclasses.replace(
+        _summary(8, figures), spec=MeasureSpec(workload="w:f", micro_batch=8, accum_steps=1, max_tokens=256)
+    )
+    row = Row.of(budget)
+    assert row is not None
+    assert row.words() == "micro-batches of at most 256 tokens (tokens<=256)"
+    assert (row.to_dict()["micro_batch"], row.to_dict()["accum_steps"]) == (None, None)
+    fixed = Row.of(_summary(2, figures))
+    assert fixed is not None and fixed.words() == "micro-batch 2 (2x4)"

@@ -22,6 +22,7 @@ SWEEP_KEYS = [
     "checkpointing", "sharding",  # issue 15: appended, the earlier keys unchanged
     "compile",  # issue 23: appended (the sweep's eager/compiled dimension)
     "max_tokens",  # issue 34: appended (token-budget arms)
+    "balance",  # issue 41: appended (a routing model's load balance)
 ]  # fmt: skip
 ACCEPT_KEYS = [
     "workload", "baseline", "candidate", "margin", "block_updates", "blocks", "max_consecutive_skips",
@@ -31,6 +32,7 @@ ACCEPT_KEYS = [
     "compile",  # issue 23: appended
     "baseline_scaling", "candidate_scaling",  # issue 22: appended (each arm's AccumConfig.scaling)
     "candidate_max_tokens",  # issue 34: appended (a token-budget candidate)
+    "balance",  # issue 41: appended (a routing model's load balance)
 ]  # fmt: skip
 SETTINGS = MeasureSettings(
     runs=4, steps=20, warmup=2, precision="float64", defer_sync=False, threads=2, bucket_cap_mb=5.0, seed=9

@@ -16,7 +16,7 @@ def _record(window: int, **changed: Any) -> Any:
     return SimpleNamespace(**{
         "window": window, "window_tokens": 100, "step_time_ms": 10.0, "loss": 5.0 - window / 1000,
         "lr": 1e-3, "tokens": 100 * (window + 1), "applied": True, "skipped": 0, "skip_reason": None,
-        "recompiles": 0, **changed,
+        "recompiles": 0, "micro_batches": None, "computed_tokens": None, "padding_tokens": None, **changed,
     })  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def test_compile_time_is_the_compiling_windows_time_beyond_a_plain_window() -> N
 def test_the_summary_prints_compile_time_apart_and_keeps_it_out_of_tokens_per_second(
     capsys: pytest.CaptureFixture[str], tmp_path: Any
 ) -> None:
-    renderer = TrainRenderer(SimpleNamespace(steps=4), SimpleNamespace(), [])  # type: ignore[arg-type]
+    renderer = TrainRenderer(SimpleNamespace(steps=4, max_tokens=None), SimpleNamespace(), [])  # type: ignore[arg-type]
     for record in (_timed(0, 5010.0, recompiles=2), _timed(1, 10.0), _timed(2, 10.0), _timed(3, 10.0)):
         renderer._step(record)
     progress = SimpleNamespace(windows=4, steps_applied=4, steps_skipped=0, tokens_consumed=400)

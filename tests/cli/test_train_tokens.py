@@ -85,3 +85,38 @@ def test_max_tokens_replaces_micro_batch(tmp_path: Path, capsys: pytest.CaptureF
     argv = ["train", "--micro-batch", "4", "--max-tokens", "64", "--run-dir", str(tmp_path / "run")]
     assert main(argv) == 2
     assert "give one of them" in capsys.readouterr().err
+
+
+def test_a_token_budget_run_records_what_it_ran_and_says_its_micro_batches_and_padding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradaccum.examples import tiny_gpt
+    from gradaccum.tokens.split import split_by_tokens
+    from gradaccum.train.data import train_seed
+
+    run = tmp_path / "run"
+    argv = ["train", "--steps", "2", "--global-batch", "16", "--max-tokens", "96", "--run-dir", str(run)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    card = json.loads((run / "runcard.json").read_text())
+    # no fixed micro-batch or accumulation count: the budget cut each window by its lengths
+    assert (card["micro_batch"], card["accum_steps"], card["max_tokens"]) == (None, None, 96)
+    assert (card["global_batch"], card["dp"]) == (16, 1)
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["kind"] == "step"]
+    computed, padding = 0, 0
+    for s in steps:  # the windows cut again, independently: what each computed and its padding
+        parts = split_by_tokens(tiny_gpt().make_batch(16, train_seed(0, s["window"])), 96)
+        # the tiny GPT marks its tokens by labels != -100 (no attention_mask); each part is trimmed
+        mine = sum(p["labels"].shape[0] * p["labels"].shape[1] for p in parts)
+        present = sum(int((p["labels"] != -100).sum()) for p in parts)
+        assert (s["micro_batches"], s["computed_tokens"]) == (len(parts), mine)
+        assert s["padding_tokens"] == mine - present
+        share = (mine - present) / mine
+        assert f"step {s['window'] + 1}: " in out
+        assert f"{len(parts)} micro-batches, padding {share:.1%}" in out
+        computed, padding = computed + mine, padding + mine - present
+    assert (
+        f"padding {padding:,} of the {computed:,} token positions computed ({padding / computed:.1%})" in out
+    )
+    assert "micro-batches per window" in out

@@ -41,7 +41,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
             ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), balance=LoadBalance.from_model(ddp, mode=mode)
         )
         calls: list[int] = []
-        model.register_forward_hook(lambda *a, calls=calls: calls.append(1))
+        model.register_forward_pre_hook(lambda *a, calls=calls: calls.append(1))  # forwards started
         assert acc.step(h.window(mine, SIZES[rank]), h.ce_sum, h.tokens).applied
         out[mode] = ([p.detach() - b for p, b in zip(model.parameters(), before, strict=True)], len(calls))
     out["bias"] = _bias(rank, mine)

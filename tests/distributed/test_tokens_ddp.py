@@ -121,3 +121,49 @@ def test_ranks_stepping_unequal_token_budget_micro_batches_match_the_full_batch(
     with torch.no_grad():
         off = max((p - LR * p.grad - want[n]).abs().max().item() for n, p in naive.named_parameters())
     assert off > 1e-4
+
+
+PROMPT_ONLY = (26, 5, 6, 18)  # row 2 is a prompt: its 6 tokens carry no label
+
+
+def prompt_window() -> dict[str, torch.Tensor]:
+    """4 right-padded rows without an attention mask, row 2's labels all -100."""
+    g = torch.Generator().manual_seed(3)
+    mask = (torch.arange(LONGEST) < torch.tensor(PROMPT_ONLY)[:, None]).long()
+    ids = torch.randint(1, VOCAB, (4, LONGEST), generator=g) * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[2] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def causal_loss(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    # no mask: right padding is only ever seen by later (padded, unlabelled) positions
+    return loss_fn(model, {**mb, "attention_mask": torch.ones_like(mb["input_ids"])})
+
+
+def _prompt_rank_step(rank: int, world: int) -> dict[str, Any]:
+    micro_batches = gradaccum.split_by_tokens(prompt_window(), 26, rank=rank, world=world)
+    ddp, _ = wrap(CausalAttention())
+    acc = gradaccum.Accumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=LR))
+    result = acc.step(micro_batches, causal_loss, count_fn)
+    return {
+        "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
+        "micro_batches": len(micro_batches),
+        "applied": result.applied,
+    }
+
+
+def test_a_prompt_only_row_leaves_no_rank_without_a_micro_batch() -> None:
+    """Four ranks, four rows, one without a label: its zero weight used to set it beside another
+    micro-batch and leave rank 3 none, and the step refused that rank's empty window."""
+    ranks = values(run_ranks(_prompt_rank_step, world=4, timeout_s=180))
+    assert [r["micro_batches"] for r in ranks] == [1, 1, 1, 1]
+    assert all(r["applied"] for r in ranks)
+    model = CausalAttention()
+    batch = {**prompt_window(), "attention_mask": torch.ones(4, LONGEST, dtype=torch.long)}
+    (causal_loss(model, batch) / count_fn(batch)).backward()
+    with torch.no_grad():
+        want = {n: p - LR * p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for name, value in want.items():  # the tolerance of the test above, for the same reason
+        assert all(torch.equal(r["params"][name], ranks[0]["params"][name]) for r in ranks), name
+        assert (ranks[0]["params"][name] - value).abs().max().item() < 1e-10, name

@@ -110,14 +110,29 @@ def test_lagged_mode_uses_the_previous_windows_counts(windows: list[Any]) -> Non
 
 @pytest.mark.parametrize("mode, per_micro_batch", [("exact", 2), ("lagged", 1), ("micro-batch", 1)])
 def test_forwards_per_micro_batch(windows: list[Any], mode: str, per_micro_batch: int) -> None:
+    """Forwards started per micro-batch: exact mode's routing pass starts one more, which ends at
+    the last router: neither the LM head nor the loss runs in it (after the run's first pass, whose
+    first forward runs whole to learn where the routers end)."""
     model = h.tiny_moe()
-    calls: list[int] = []
-    model.register_forward_hook(lambda *a: calls.append(1))
+    started: list[int] = []
+    heads: list[int] = []
+    losses: list[int] = []
+    model.register_forward_pre_hook(lambda *a: started.append(1))
+    model.lm_head.register_forward_hook(lambda *a: heads.append(1))
+
+    def loss_fn(m: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = h.ce_sum(m, mb)
+        losses.append(1)
+        return loss
+
     acc = _accumulator(model, mode)
-    for window in windows[:2]:
-        calls.clear()
-        assert acc.step(window, h.ce_sum, h.tokens).applied
-        assert len(calls) == per_micro_batch * len(window)
+    for index, window in enumerate(windows[:2]):
+        for seen in (started, heads, losses):
+            seen.clear()
+        assert acc.step(window, loss_fn, h.tokens).applied
+        assert len(started) == per_micro_batch * len(window)
+        whole = 1 if (mode == "exact" and index == 0) else 0
+        assert len(heads) == len(losses) == len(window) + whole
 
 
 @pytest.mark.parametrize("mode", ["lagged", "exact"])

@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import Trainer
 
-from gradaccum.errors import ConfigError, EquivalenceError
-from gradaccum.integrations.transformers import exact_trainer
+from gradaccum.errors import EquivalenceError
+from gradaccum.integrations.transformers import ExactConfig, exact_trainer
 from tests.helpers import moe as h
 from tests.helpers.launcher import run_ranks, values
 from tests.integrations import common
@@ -53,8 +53,48 @@ def test_exact_trainer_on_a_routing_mixtral_equals_the_full_batch_objective(runs
     assert trainer.balance is not None and trainer.loss_form == "sum"
     assert h.rel_l2(update, runs["want"]) < 1e-6
     assert model.config.output_router_logits is True  # turned off only around the training forwards
-    with pytest.raises(ConfigError, match="does not check a routing model's balancing term"):
-        trainer.verify_accumulation()
+
+
+def test_verify_accumulation_checks_a_routing_model_against_the_full_batch_objective(
+    runs: dict[str, Any],
+) -> None:
+    _, trainer, model = runs["exact"]
+    before = [p.detach().clone() for p in model.parameters()]
+    balance = trainer.balance
+    report = trainer.verify_accumulation()
+    assert report.passed, report.summary()
+    assert trainer.balance is balance and model.config.output_router_logits is True  # left as found
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_verify_accumulation_fails_when_the_window_drops_the_balancing_term(
+    runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the control: the check's reference holds the whole batch's balancing term, so a window whose
+    # micro-batches add none (the term zeroed) is caught
+    from gradaccum.integrations.trainer_balance import TrainerBalance
+
+    _, trainer, _ = runs["exact"]
+    term = TrainerBalance.term
+    monkeypatch.setattr(TrainerBalance, "term", lambda self, *a: term(self, *a) * 0.0)
+    assert not trainer.verify_accumulation().passed
+
+
+def test_verify_at_start_trains_a_routing_model(tmp_path: Path) -> None:
+    model = routing_mixtral()
+    start = [p.detach().clone() for p in model.parameters()]
+    data = common.sequences(K * M)
+    seqs = [example["input_ids"] for example in data]
+    train(
+        exact_trainer(Trainer),
+        model,
+        data,
+        tmp_path,
+        args=training_args(tmp_path, learning_rate=1.0),
+        exact=ExactConfig(verify_at_start=True),
+    )
+    want = h.reference_update(routing_mixtral(), seqs, coef=COEF)
+    assert h.rel_l2(h.update_of(model, start), want) < 1e-6  # the same tolerance as above
 
 
 def test_plain_trainer_balances_each_micro_batch(runs: dict[str, Any]) -> None:

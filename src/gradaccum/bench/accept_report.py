@@ -27,11 +27,9 @@ def verdict_rows(result: AcceptResult) -> Table:
 def verdict_lines(result: AcceptResult) -> list[str]:
     """The decision in words: what it rests on, what would resolve it, what to watch."""
     v, spec = result.verdict, result.spec
-    chosen = result.card.plan
-    scaling = f", scaling {result.card.accum.scaling}" if "post" in spec.scalings else ""
-    if result.card.max_tokens is not None:  # a token-budget candidate: the plan is the whole window
-        scaling += f", micro-batches of at most max_tokens {result.card.max_tokens} tokens"
-    lines = [f"{v.decision}: the run card records {chosen.label()} ({chosen.equation()}){scaling}."]
+    card = result.card  # a token-budget candidate is named by its budget, not a plan it did not use
+    scaling = f", scaling {card.accum.scaling}" if "post" in spec.scalings else ""
+    lines = [f"{v.decision}: the run card records {card.label()} ({card.equation()}){scaling}."]
     if v.interval is not None and v.throughput_gain is not None:
         runs = len(v.run_ratios)
         what = (

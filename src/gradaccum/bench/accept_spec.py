@@ -250,8 +250,8 @@ class AcceptSpec:
             "memory_budget_bytes": self.memory_budget_bytes,
         }
         for name, value in self.settings.to_dict().items():
-            if name == "compile":
-                continue  # appended last (issue 23), the earlier keys unchanged
+            if name in ("compile", "balance"):
+                continue  # appended last (issues 23, 41), the earlier keys unchanged
             data[name] = value
             if name == "warmup":
                 data["trace_steps"] = self.trace_steps  # where results.json has always had it
@@ -262,4 +262,5 @@ class AcceptSpec:
         data["baseline_scaling"] = self.baseline_scaling  # appended (issue 22), the earlier keys unchanged
         data["candidate_scaling"] = self.candidate_scaling
         data["candidate_max_tokens"] = self.candidate_max_tokens  # appended (issue 34)
+        data["balance"] = self.settings.balance  # appended (issue 41); None: the model's own choice
         return data

@@ -63,6 +63,9 @@ class Row:
     """Parameters + gradients + optimizer state, per rank."""
     accum_buffer_bytes: float = 0.0
     """Of ``persistent_bytes``: the float32 sums of ``AccumConfig.accum_dtype``."""
+    max_tokens: int | None = None
+    """A token-budget row's budget (its plan is the window's rows per rank, not a micro-batch it ran);
+    ``None``: fixed micro-batches."""
 
     @classmethod
     def of(cls, summary: ConfigSummary) -> Row | None:
@@ -85,12 +88,16 @@ class Row:
             memory_kind="CUDA max reserved" if cuda else "from the tensors",
             persistent_bytes=float(m.persistent_bytes),
             accum_buffer_bytes=float(m.accum_buffer_bytes),
+            max_tokens=summary.spec.max_tokens,
         )
 
     def words(self, contrast: Row | None = None) -> str:
         """``micro-batch 8 with checkpointing (8x2)``; what ``contrast`` has and this row lacks is
         said too (``without checkpointing``), so that a comparison names the difference."""
-        parts = [f"micro-batch {self.plan.micro_batch}"]
+        if self.max_tokens is None:
+            parts = [f"micro-batch {self.plan.micro_batch}"]
+        else:  # named by its budget: the window is cut by lengths, no fixed micro-batch ran
+            parts = [f"micro-batches of at most {self.max_tokens} tokens"]
         if self.checkpointing != "none":
             parts.append("with checkpointing")
         elif contrast is not None and contrast.checkpointing != "none":
@@ -103,13 +110,14 @@ class Row:
             parts.append("syncing every micro-batch")
         elif self.defer_sync and contrast is not None and not contrast.defer_sync:
             parts.append("with sync deferred")
-        return " ".join(parts) + f" ({self.plan.label()})"
+        name = self.plan.label() if self.max_tokens is None else f"tokens<={self.max_tokens}"
+        return " ".join(parts) + f" ({name})"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
-            "micro_batch": self.plan.micro_batch,
-            "accum_steps": self.plan.accum_steps,
+            "micro_batch": self.plan.micro_batch if self.max_tokens is None else None,
+            "accum_steps": self.plan.accum_steps if self.max_tokens is None else None,
             "dp": self.plan.dp,
             "checkpointing": self.checkpointing,
             "fsdp": self.fsdp,

@@ -54,6 +54,7 @@ from gradaccum.distributed.wrap import fsdp2_units, wrap_model
 from gradaccum.errors import BenchError
 from gradaccum.step.accumulator import Accumulator
 from gradaccum.tokens.split import split_by_tokens
+from gradaccum.workloads.balance import choose_balance
 
 __all__ = ["measure", "measure_paired", "measure_paired_safely", "measure_safely", "peak_rss_bytes"]
 
@@ -167,6 +168,8 @@ class _Arm:
         )
         self.optimizer = workload.optimizer_factory(self.model.parameters())
         self.clock = _Clock(device)
+        # a routing model runs the balance train would (the same rule, the same flag)
+        balance, _ = choose_balance(self.model, spec.balance, scaling=spec.scaling)
         self.acc = Accumulator(
             self.model,
             self.optimizer,
@@ -175,6 +178,7 @@ class _Arm:
             defer_sync=spec.defer_sync,
             observer=self.clock,
             scaling=spec.scaling,
+            balance=balance,
         )
         self.loss_fn = precision.autocast_loss(workload.loss_fn, spec.precision, device)
         self.buckets: int | None = None

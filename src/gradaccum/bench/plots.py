@@ -37,9 +37,11 @@ def _kind(c: ConfigSummary) -> str:
 
 
 def _throughput(ax: Any, configs: Sequence[ConfigSummary]) -> None:
-    # plotted against the micro-batch: a token budget's rows have none (the report tabulates them)
+    """Every row: fixed micro-batches against the micro-batch; a token budget's rows, which have no
+    fixed micro-batch, as a horizontal line at their median across the plot with the runs' band."""
     done = [c for c in configs if c.ok and c.units_per_s is not None and c.spec.max_tokens is None]
     failed = [c for c in configs if not c.ok and c.spec.max_tokens is None]
+    _budget_rows(ax, [c for c in configs if c.spec.max_tokens is not None])
     kinds = list(dict.fromkeys(_kind(c) for c in done))
     for kind in kinds:
         series = sorted((c for c in done if _kind(c) == kind), key=lambda c: c.spec.micro_batch)
@@ -61,6 +63,20 @@ def _throughput(ax: Any, configs: Sequence[ConfigSummary]) -> None:
     ax.set_ylabel(f"valid {unit} / s")
     ax.legend(loc="best", fontsize="small")
     ax.grid(True, alpha=0.3)
+
+
+def _budget_rows(ax: Any, budgets: Sequence[ConfigSummary]) -> None:
+    """Token-budget rows: a dashed line at the median (a band from the slowest to the fastest run),
+    or, for a row that did not finish, its status in the legend."""
+    for c in budgets:
+        spread = c.units_per_s
+        if not c.ok or spread is None:
+            ax.plot([], [], color="tab:red", linestyle=":", label=f"{c.spec.row_label}: {c.status}")
+            continue
+        line = ax.axhline(
+            spread.median, linestyle="--", label=f"{c.spec.row_label} (a token budget): median (min..max)"
+        )
+        ax.axhspan(spread.low, spread.high, color=line.get_color(), alpha=0.15)
 
 
 def _memory_bars(ax: Any, labels: list[str], configs: Sequence[ConfigSummary], budget: int | None) -> None:

@@ -96,6 +96,10 @@ class MeasureSpec:
     into micro-batches of at most this many tokens, balanced across the ranks, instead of
     ``micro_batch`` rows each (``micro_batch`` is then the rows per rank, ``accum_steps`` 1).
     ``None``: fixed micro-batches."""
+    balance: str | None = None
+    """A routing model's load balance (``--balance``): ``exact``, ``lagged``, ``micro-batch``, ``off``;
+    ``None``: the model's own choice (:func:`gradaccum.workloads.balance.choose_balance`), as
+    ``train`` makes it."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accum_steps", "dp"):
@@ -221,6 +225,8 @@ class MeasureSettings:
     """Clip each update's gradient to this norm, as training will (``None``: no clipping)."""
     compile: bool = False
     """Measure compiled models (see :attr:`MeasureSpec.compile`)."""
+    balance: str | None = None
+    """A routing model's load balance (see :attr:`MeasureSpec.balance`)."""
 
     def __post_init__(self) -> None:
         _positive("runs", self.runs)

@@ -141,12 +141,13 @@ class SweepSpec:
             "global_batch": self.global_batch,
             "dp": self.dp,
             "plans": None if self.plans is None else [asdict(p) for p in self.plans],
-            **{k: v for k, v in self.settings.to_dict().items() if k != "compile"},
+            **{k: v for k, v in self.settings.to_dict().items() if k not in ("compile", "balance")},
             "memory_budget_bytes": self.memory_budget_bytes,
             "checkpointing": list(self.checkpointing),
             "sharding": list(self.sharding),
             "compile": list(self.compile),
             "max_tokens": list(self.max_tokens),
+            "balance": self.settings.balance,  # appended (issue 41): a routing model's load balance
         }
 
 
@@ -307,6 +308,7 @@ def advised_runcard(
         device=str(environment.get("device", settings.device)),
         git_commit=environment.get("git_commit"),
         compile=summary.spec.compile,
+        max_tokens=summary.spec.max_tokens,  # a budget row: train cuts its windows by the same budget
         extra={
             "source": "gradaccum bench --memory-budget",
             "advice": advice.sentence,

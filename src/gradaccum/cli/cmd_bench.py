@@ -4,6 +4,7 @@ checkpointing and FSDP2 sharding as further dimensions, and advise for a memory 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING
 
 from gradaccum.cli.common import (
@@ -13,6 +14,7 @@ from gradaccum.cli.common import (
     add_command,
     add_flags,
     add_measure_options,
+    add_run_settings,
     check_output_folder,
     console,
     escape,
@@ -114,6 +116,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="also print results.json to stdout (default: tables)")
     add_measure_options(p, steps=20)
+    add_run_settings(p, "bench")
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -138,6 +141,7 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     from gradaccum.bench.sweep import run_sweep
     from gradaccum.check.workload import load_workload
     from gradaccum.runcard import environment
+    from gradaccum.workloads.balance import choose_balance
 
     check_output_folder(args.out_dir, "--out-dir")
     dp = resolve_dp(args.dp)
@@ -149,6 +153,11 @@ def _run(args: argparse.Namespace, beat: Heartbeat) -> int:
     workload = load_workload(spec.workload)
     fixed = [s.plan for s in spec.measure_specs() if s.max_tokens is None]
     refuse_what_cannot_fit(workload, fixed, spec.settings.precision, device, check=False)
+    _, balance = choose_balance(workload.build_model(), spec.settings.balance)  # as each worker will
+    if balance is not None:  # the mode decided once, measured by every worker and recorded
+        spec = dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, balance=balance.mode))
+        if torchrun_leader() and not args.json:
+            console.print(escape(balance.describe()))
     check = None
     if "full" in spec.checkpointing:
         checkpoint_blocks(workload, workload.build_model())  # no blocks to checkpoint: exit 2 now

@@ -45,6 +45,7 @@ from gradaccum.cli.common import (
     add_command,
     add_data_options,
     add_flags,
+    add_run_settings,
     add_threads_option,
     default_threads,
     int_at_least,
@@ -90,6 +91,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_options(p: argparse.ArgumentParser) -> None:
     _add_what(p.add_argument_group("what to train"))
+    add_run_settings(
+        p.add_argument_group("accumulation (recorded in the run card, replayed by --runcard)"), "train"
+    )
     _add_length(p.add_argument_group("how long"))
     _add_optimizer(p.add_argument_group("optimizer and schedule"))
     _add_batch_schedule(p.add_argument_group("batch-size schedule (the critical batch)"))

@@ -21,6 +21,7 @@ from gradaccum.cli.common import (
     Flag,
     add_command,
     add_flags,
+    add_run_settings,
     add_workload_option,
     console,
     escape,
@@ -31,7 +32,7 @@ from gradaccum.cli.common import (
     workload_spec,
 )
 from gradaccum.errors import ConfigError, PlanError
-from gradaccum.names import MAX_TRACE_STEPS, TRACE_DTYPES, VERIFY_DTYPES
+from gradaccum.names import HF_PREFIX, MAX_TRACE_STEPS, TRACE_DTYPES, VERIFY_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -141,6 +142,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="where to run, e.g. cuda:0 (default cpu)")
     add_flags(p, Flag("--seed", None, int_at_least(0), "initialization/data seed", 0))
+    add_run_settings(p, "verify")
 
 
 def _add_renamed_precision(
@@ -324,6 +326,12 @@ def run(args: argparse.Namespace) -> int:
         why = "is not a device (cpu, cuda, cuda:0)" if device is None else "names CUDA, but none is available"
         raise ConfigError(f"--device {args.device!r} {why}")
     workload = load_workload(workload_spec(args))
+    if args.workload.startswith(HF_PREFIX) and "float64" in (args.dtype, args.trace_dtype):
+        from gradaccum.workloads.experts import eager_experts
+
+        workload, note = eager_experts(workload)  # the fused expert kernels take no float64
+        if note is not None:
+            console.print(escape(note))
     if args.mesh is not None:
         return _run_mesh(args, workload, device)
     if args.packed:
@@ -349,13 +357,20 @@ def run(args: argparse.Namespace) -> int:
         report = dataclasses.replace(report, findings=tuple(_handled_by_cache(f) for f in report.findings))
     _render_report(report, workload)
     balance = None
-    if not args.cached:  # an MoE model: the balancing term, and how far lagged/micro-batch are
+    if not args.cached:  # an MoE model: the balance train would run, and how far the modes are
         from gradaccum.check.balance import verify_balance
+        from gradaccum.workloads.balance import choose_balance
 
-        balance = verify_balance(
-            workload, micro_batch=args.micro_batch, sizes=args.sizes, dtype=dtype_of(args.dtype),
-            device=device, seed=args.seed,
-        )  # fmt: skip
+        _, choice = choose_balance(workload.build_model(), args.balance)
+        if choice is not None:
+            console.print(escape(choice.describe()))
+        if choice is not None and not (choice.mode == "off" and choice.given):
+            # the exact term against the full batch's objective (what --balance exact trains; under
+            # the default's "off" it is what --balance exact would add), and the others from it
+            balance = verify_balance(
+                workload, micro_batch=args.micro_batch, sizes=args.sizes, dtype=dtype_of(args.dtype),
+                device=device, seed=args.seed,
+            )  # fmt: skip
         if balance is not None:
             console.print(escape(balance.summary()))
     trace = None

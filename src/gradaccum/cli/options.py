@@ -33,6 +33,7 @@ __all__ = [
     "add_data_options",
     "add_flags",
     "add_measure_options",
+    "add_run_settings",
     "add_threads_option",
     "add_workload_option",
     "check_output_folder",
@@ -187,6 +188,16 @@ def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: Flag
     for flag in flags:
         parse: dict[str, Any] = {} if flag.type is None else {"type": flag.type}
         p.add_argument(flag.name, default=flag.default, metavar=flag.metavar, help=flag.help, **parse)
+
+
+def add_run_settings(p: argparse.ArgumentParser | argparse._ArgumentGroup, command: str) -> None:
+    """The flags of :data:`gradaccum.train.settings.RUN_SETTINGS` that ``command`` takes, one per
+    row, ``dest`` the setting's name, unset ``None`` (the help says the default)."""
+    from gradaccum.train.settings import RUN_SETTINGS  # torch-free
+
+    for setting in RUN_SETTINGS:
+        if command in setting.commands:
+            p.add_argument(setting.flag, dest=setting.name, choices=setting.choices, help=setting.help)
 
 
 def add_command(
@@ -380,4 +391,7 @@ def measure_settings(args: argparse.Namespace, device: str) -> MeasureSettings:
     from gradaccum.bench.spec import MeasureSettings
 
     same = {name: getattr(args, name) for name in _MEASURE_FLAGS}
-    return MeasureSettings(**same, device=device, threads=default_threads(args.threads, device))
+    balance = getattr(args, "balance", None)  # bench's --balance (gradaccum.train.settings.BALANCE)
+    return MeasureSettings(
+        **same, device=device, threads=default_threads(args.threads, device), balance=balance
+    )

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TrainRenderer",
+    "budget_summary",
+    "budget_words",
     "checkpoint_policy",
     "compile_seconds",
     "count",
@@ -29,7 +31,9 @@ __all__ = [
 
 
 def count(n: int, word: str) -> str:
-    plural = {"process": "processes", "boundary": "boundaries", "update": "updates"}.get(word, word + "s")
+    plural = {"process": "processes", "boundary": "boundaries", "micro-batch": "micro-batches"}.get(
+        word, word + "s"
+    )
     return f"{n:,} {word if n == 1 else plural}"
 
 
@@ -102,7 +106,8 @@ class TrainRenderer:
 
         threads = torch.get_num_threads()
         console.print(
-            f"{count(start.world, 'process')} on {start.device}, precision {cfg.precision}{layout}; "
+            f"{count(start.world, 'process')} on {start.device}, precision {cfg.precision} (compute), "
+            f"parameters {start.param_dtypes or 'unknown'}{layout}; "
             f"workload {escape(cfg.workload)}; torch threads per process: {threads}"
             + (" (--threads)" if self.args.threads is not None else "")
         )
@@ -120,6 +125,10 @@ class TrainRenderer:
             keeps = f"{warmup_tokens:,} valid tokens (~{warmup_steps:,.1f} steps at this global batch)"
             moves = "a larger global batch keeps the tokens and takes fewer steps"
         console.print(f"warmup: {keeps}; {moves}")
+        if start.experts is not None:
+            console.print(escape(start.experts))
+        if start.balance is not None:
+            console.print(escape(start.balance))
         console.print(escape(checkpoint_policy(cfg)))
         if start.evaluation is not None:
             console.print(escape(start.evaluation))
@@ -186,7 +195,7 @@ class TrainRenderer:
             note = "" if record.applied else f"  SKIPPED: {escape(record.skip_reason or '')}"
             console.print(
                 f"step {record.window + 1}: loss {fmt(record.loss)}  lr {record.lr:.3g}  "
-                f"tokens {record.tokens:,}  {rate} tok/s{note}"
+                f"tokens {record.tokens:,}  {rate} tok/s{budget_words(record)}{note}"
             )
         if record.recompiles:  # StepResult.recompiles: a window that compiled is worth a line
             graphs = count(record.recompiles, "graph")
@@ -220,6 +229,9 @@ class TrainRenderer:
             final = final_batch_words(self.steps, self.changes, self.unit)
             if final is not None:
                 console.print(final)
+        budget = budget_summary(self.steps, self.config.max_tokens)
+        if budget is not None:
+            console.print(budget)
         # the same clock as the progress lines (time inside windows), then the whole wall time
         in_windows = self.tokens / self.seconds if self.seconds else 0.0
         compiled = [r for r in self.steps if r.recompiles]
@@ -255,6 +267,31 @@ class TrainRenderer:
         )
         if result.stopped != "completed":
             console.print(escape(f"resume with: {resume}"))
+
+
+def budget_words(record: StepRecord) -> str:
+    """A token-budget window on a progress line: its micro-batches (all ranks) and its padding."""
+    if record.micro_batches is None or not record.computed_tokens or record.padding_tokens is None:
+        return ""
+    share = record.padding_tokens / record.computed_tokens
+    return f"  {count(record.micro_batches, 'micro-batch')}, padding {share:.1%}"
+
+
+def budget_summary(steps: list[StepRecord], max_tokens: int | None) -> str | None:
+    """What a token budget made of the windows: micro-batches per window (all ranks) and the padding
+    of the token positions computed; ``None`` without a budget."""
+    rows = [r for r in steps if r.micro_batches is not None and r.computed_tokens]
+    if max_tokens is None or not rows:
+        return None
+    counts = [r.micro_batches or 0 for r in rows]
+    computed = sum(r.computed_tokens or 0 for r in rows)
+    padding = sum(r.padding_tokens or 0 for r in rows)
+    spread = f" ({min(counts)} to {max(counts)})" if min(counts) != max(counts) else ""
+    return (
+        f"token budget max_tokens {max_tokens:,}: {statistics.fmean(counts):.1f} micro-batches per window"
+        f"{spread}, all ranks; padding {padding:,} of the {computed:,} token positions computed "
+        f"({padding / computed:.1%})"
+    )
 
 
 def final_batch_words(steps: list[StepRecord], changes: list[BatchChange], unit: str) -> str | None:

@@ -7,7 +7,8 @@ looks for the layers that break that by type and by attribute names:
 - BatchNorm (any flavour, SyncBatchNorm included) normalizing with batch statistics: each
   micro-batch is normalized with its own statistics, and running estimates update k times per
   optimizer step, so the effective momentum per step is ``1 - (1 - m)^k``. The fix names
-  ``batchnorm_stats="window"`` for the running estimates (once per step, over the window's rows);
+  ``batchnorm_stats="window"`` for the running estimates (once per step, from the pooled moments of
+  what each BatchNorm saw over the window);
   the normalization inside each forward stays per micro-batch.
 - InstanceNorm with running statistics: gradients are exact (statistics are per example), but the
   running estimates still update k times per step.
@@ -180,8 +181,8 @@ def _batch_shape(accum_steps: int, micro_batch: int | None) -> tuple[str, str]:
 
 _WINDOW_STATS = (
     " For its running statistics, Accumulator(..., batchnorm_stats='window') updates them once per "
-    "optimizer step from the moments pooled over the window's micro-batches (and data-parallel "
-    "ranks), as one forward over the window's rows would; it does not change the normalization "
+    "optimizer step from the pooled moments of what each BatchNorm saw over the window's "
+    "micro-batches (and data-parallel ranks); it does not change the normalization "
     "inside each forward, which still uses the micro-batch's statistics, so the gradients stay "
     "those of micro-batches"
 )

@@ -31,17 +31,16 @@ import torch.nn as nn
 from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError
 from gradaccum.moe.balancer import BalanceWindow, WindowBalance
-from gradaccum.moe.spec import LoadBalance
+from gradaccum.moe.capture import RouterCapture
+from gradaccum.moe.spec import LoadBalance, attention_mask
+from gradaccum.moe.stats import balance_term, route
 
-__all__ = ["TrainerBalance", "own_term_off", "trainer_balance"]
+__all__ = ["TrainerBalance", "own_term_off", "trainer_balance", "whole_batch_term"]
 
 
 def _mask(micro_batch: Any) -> torch.Tensor | None:
     """The attention mask of a Trainer micro-batch (a dict or a ``BatchEncoding``)."""
-    if isinstance(micro_batch, Mapping):
-        mask = micro_batch.get("attention_mask")
-        return mask if isinstance(mask, torch.Tensor) else None
-    return None
+    return attention_mask(micro_batch)
 
 
 def own_term_off(balance: TrainerBalance | None) -> contextlib.AbstractContextManager[None]:
@@ -49,10 +48,13 @@ def own_term_off(balance: TrainerBalance | None) -> contextlib.AbstractContextMa
     return contextlib.nullcontext() if balance is None else balance.own_term_off()
 
 
-def trainer_balance(core: nn.Module, device: torch.device) -> TrainerBalance | None:
+def trainer_balance(
+    core: nn.Module, device: torch.device, *, world: int | None = None
+) -> TrainerBalance | None:
     """The exact balance of a routing model whose forward adds its own balancing loss, else ``None``
     (a dense model, or a model with ``output_router_logits`` off or a zero coefficient: its loss holds
-    no balancing term, so there is nothing to make exact)."""
+    no balancing term, so there is nothing to make exact). ``world``: the data-parallel size the term
+    is scaled by (DDP divides it out again); ``None``: the trainer's ``world_size``."""
     config = getattr(core, "config", None)
     if getattr(config, "output_router_logits", None) is not True:
         return None
@@ -62,15 +64,49 @@ def trainer_balance(core: nn.Module, device: torch.device) -> TrainerBalance | N
         return None  # no routers found: the model's loss holds no balancing term gradaccum knows
     if spec.coef == 0:
         return None
-    return TrainerBalance(core, dataclasses.replace(spec, mask_fn=_mask), device)
+    return TrainerBalance(core, dataclasses.replace(spec, mask_fn=_mask), device, world=world)
+
+
+def whole_batch_term(
+    core: nn.Module, batch: Any, forward: Callable[[], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward()`` (the loss of ``core`` on ``batch``) with the model's own per-forward term off,
+    and the balancing term of ``batch``'s own routing, ``coef * E * sum_i f_i P_i`` over its unpadded
+    rows: over a whole batch, the term of the full batch's objective. The routers' hooks are taken
+    off again, and the config restored, however the forward ends."""
+    spec = LoadBalance.from_model(core)
+    config: Any = core.config
+    before = config.output_router_logits
+    capture = RouterCapture(spec.routers, spec.logits_index)
+    config.output_router_logits = False
+    try:
+        with capture.recording(graph=True) as records:
+            loss = forward()
+        device = loss.device
+        routed = route(
+            records, _mask(batch), layers=spec.layers, num_experts=spec.num_experts, top_k=spec.top_k,
+            device=device,
+        )  # fmt: skip
+    finally:
+        config.output_router_logits = before
+        capture.remove()
+    term = balance_term(
+        routed.probs, routed.counts, routed.rows, num_experts=spec.num_experts, coef=spec.coef,
+        pooled=spec.pooled,
+    )  # fmt: skip
+    return loss, term
 
 
 class TrainerBalance:
     """One trainer's load balance: the routing pass, the window's agreed statistics, each term."""
 
-    def __init__(self, core: nn.Module, spec: LoadBalance, device: torch.device) -> None:
+    def __init__(
+        self, core: nn.Module, spec: LoadBalance, device: torch.device, *, world: int | None = None
+    ) -> None:
         self.core = core
-        self.balance = WindowBalance(spec, device)
+        self.world = world
+        """The data-parallel size the term is scaled by; ``None``: the trainer's ``world_size``."""
+        self.balance = WindowBalance(spec, device, model=core)
         self._window: BalanceWindow | None = None
         self._index: dict[int, int] = {}
         self._current = 0
@@ -148,21 +184,13 @@ class TrainerBalance:
             return loss()
         with self.recording() as records:
             out = loss()
-        term = self.term(inputs, records, max(int(trainer.args.world_size), 1))
+        world = self.world if self.world is not None else max(int(trainer.args.world_size), 1)
+        term = self.term(inputs, records, world)
         if trainer.loss_form == "mean":
             term = term * trainer.current_gradient_accumulation_steps
         if isinstance(out, tuple):
             return (out[0] + term.to(out[0].dtype), *out[1:])
         return out + term.to(out.dtype)
-
-    @staticmethod
-    def unverifiable() -> ConfigError:
-        """``verify_accumulation``'s refusal: its full-batch reference is the model's own loss."""
-        return ConfigError(
-            "verify_accumulation does not check a routing model's balancing term (its full-batch "
-            "reference is the model's own loss); check it with `gradaccum verify` on a workload of "
-            "this model, which compares the balanced update with the full batch's objective"
-        )
 
     def term(self, inputs: Any, records: Sequence[tuple[int, torch.Tensor]], world: int) -> torch.Tensor:
         """The current micro-batch's part of the window's term; a routing that differs from its pass

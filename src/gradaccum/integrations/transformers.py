@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,12 +52,12 @@ from transformers import PreTrainedModel, Trainer
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from gradaccum.batch import to_device
-from gradaccum.check.equivalence import verify
+from gradaccum.batch import fields
 from gradaccum.check.report import EquivalenceReport
 from gradaccum.distributed import dist
 from gradaccum.errors import ConfigError, CountError, EquivalenceError, LossError
 from gradaccum.integrations.trainer_balance import own_term_off, trainer_balance
+from gradaccum.integrations.trainer_verify import verify_trainer
 from gradaccum.loss import IGNORE_INDEX, valid_tokens
 from gradaccum.values import settings_or_default
 
@@ -73,8 +71,6 @@ FORM_RTOL = 0.05
 ``num_items_in_batch`` halves when it doubles, a mean stays); both calls run the same forward with
 the same random draws, so they differ only in the final division's rounding (one bfloat16 ulp is
 0.8 %). 5 % separates them with a wide margin either way."""
-
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -235,16 +231,17 @@ class ExactTrainer(Trainer):
         exact = self.exact
         if exact.count_fn is not None:
             return exact.count_fn(micro_batch)
-        if not isinstance(micro_batch, Mapping) or not ({"labels", "shift_labels"} & set(micro_batch)):
-            keys = sorted(micro_batch) if isinstance(micro_batch, Mapping) else type(micro_batch).__name__
+        named = fields(micro_batch)
+        if named is None or not ({"labels", "shift_labels"} & set(named)):
+            keys = sorted(map(str, named)) if named is not None else type(micro_batch).__name__
             raise CountError(
                 f"ExactTrainer counts label tokens under 'labels' (or 'shift_labels'), but a micro-batch "
                 f"holds {keys}. Pass exact=ExactConfig(count_fn=...) returning how many units the "
                 "micro-batch's loss is over."
             )
-        if "shift_labels" in micro_batch:
-            return valid_tokens(micro_batch["shift_labels"], ignore_index=exact.ignore_index)
-        return valid_tokens(micro_batch["labels"], ignore_index=exact.ignore_index, shift=self.label_shift)
+        if "shift_labels" in named:
+            return valid_tokens(named["shift_labels"], ignore_index=exact.ignore_index)
+        return valid_tokens(named["labels"], ignore_index=exact.ignore_index, shift=self.label_shift)
 
     # -- the loss each micro-batch backpropagates ------------------------------------------------
 
@@ -337,73 +334,13 @@ class ExactTrainer(Trainer):
         them) and the window of micro-batches through this trainer's own ``training_step``, and
         compares gradients before the update and parameters after one SGD step (lr 0.1, or
         ``optimizer_factory``). On this process alone; the model and the trainer are left as they were.
+
+        A routing (mixture-of-experts) model whose config asks for its balancing loss is checked with
+        it: the reference is the full batch's objective, its loss plus the balancing term of the
+        whole batch's routing, and the window runs the trainer's exact term
+        (:mod:`gradaccum.integrations.trainer_verify`).
         """
-        if self.accelerator.scaler is not None:
-            raise ConfigError(
-                "verify_accumulation runs in float64, but this trainer's fp16 GradScaler would scale its "
-                "gradients. Run the check from a trainer built with fp16=False (bf16 is fine)."
-            )
-        if self.balance is not None:
-            raise self.balance.unverifiable()
-        k, m = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size
-        loader = self.get_train_dataloader()
-        if examples is None:
-            examples = _first_examples(loader.dataset, k * m)
-        examples = list(examples)
-        if not examples:
-            raise ConfigError("verify_accumulation needs at least one example; the training set has none")
-        batch = self._verification_layout(loader.collate_fn(examples))
-        sizes = [m] * (len(examples) // m) + ([len(examples) % m] if len(examples) % m else [])
-        initial = self._verification_copy()
-        for module in initial.modules():
-            if isinstance(module, _DROPOUTS):
-                module.p = 0.0  # training_step calls model.train(), which would switch eval() back
-        saved = (self.loss_form, self._window, self.loss_is_scaled_for_ga)
-        saved_steps = getattr(self, "current_gradient_accumulation_steps", None)
-        device = self.args.device
-
-        def loss_fn(model: nn.Module, micro_batch: Any) -> torch.Tensor:
-            # the loss this trainer means on one batch, summed over its counted units
-            micro_batch = self._training_layout(micro_batch)
-            n = float(self.count(micro_batch))
-            items = torch.tensor(max(n, 1.0), dtype=torch.float64, device=device)
-            loss = self.compute_loss(model, dict(micro_batch), num_items_in_batch=items)
-            return (loss[0] if isinstance(loss, tuple) else loss) * items
-
-        def trainer_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro: list[Any]) -> None:
-            micro = [self._training_layout(mb) for mb in micro]
-            self.loss_form = None
-            self._window = self._count_window(micro, device, model, 1)  # this process alone
-            optimizer.zero_grad(set_to_none=True)
-            for mb in micro:
-                self.training_step(model, mb, self._window.divisor)
-            optimizer.step()
-
-        trainer_step.__qualname__ = f"{type(self).__name__}.training_step"
-        try:
-            report = verify(
-                lambda: copy.deepcopy(initial),
-                to_device(batch, device),
-                loss_fn,
-                self._layout_count,
-                sizes=sizes,
-                optimizer_factory=optimizer_factory,
-                device=device,
-                candidate_step=trainer_step,
-                seed=seed,
-                name=type(self).__name__,
-                unit="tokens" if self.exact.count_fn is None else "units",
-            )
-            form = self.loss_form
-        finally:
-            self.loss_form, self._window, self.loss_is_scaled_for_ga = saved
-            if saved_steps is not None:
-                self.current_gradient_accumulation_steps = saved_steps
-        if report.passed:
-            return report
-        return dataclasses.replace(
-            report, likely_causes=(*_form_causes(self, form, report), *report.likely_causes)
-        )
+        return verify_trainer(self, examples, optimizer_factory=optimizer_factory, seed=seed)
 
     def _verification_layout(self, batch: Any) -> Any:
         """The collated check batch in a layout whose tensors share dim 0 (examples), so that it
@@ -567,29 +504,3 @@ def _refuse_deepspeed(trainer: Trainer) -> None:
             "full batch's update, measured). Set zero_optimization.stage to 1, 2 or 3 and leave fp16 "
             "off, or drive the engine with gradaccum.integrations.deepspeed.prepare_accumulator."
         )
-
-
-def _first_examples(dataset: Any, n: int) -> list[Any]:
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        return [dataset[i] for i in range(min(n, len(dataset)))]
-    return list(itertools.islice(iter(dataset), n))
-
-
-def _form_causes(trainer: ExactTrainer, form: LossForm | None, report: EquivalenceReport) -> list[str]:
-    """What the loss-form measurement says about a failed check, as the first likely cause."""
-    name = f"{type(trainer).__name__}.compute_loss"
-    if form == "mean":
-        return [
-            f"{name} ignores num_items_in_batch (a per-micro-batch mean), so ExactTrainer multiplies "
-            f"each value back by the micro-batch's count of {report.unit} ({list(report.counts)}). The "
-            "check failing means that mean is not over those units (padding counted, or another "
-            "count): return the loss summed over the counted units divided by num_items_in_batch, or "
-            "pass exact=ExactConfig(count_fn=...) counting what the loss averages over."
-        ]
-    if form == "sum":
-        return [
-            f"{name} divides by num_items_in_batch, yet the micro-batches do not add up to the full "
-            "batch: a term computed per micro-batch (a regularizer, an auxiliary loss, a mean inside "
-            "the sum) enters once per micro-batch instead of once per update."
-        ]
-    return []

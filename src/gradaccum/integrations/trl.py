@@ -43,6 +43,7 @@ from transformers import Trainer
 from trl import DPOTrainer, GRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
+from gradaccum.batch import fields
 from gradaccum.check.equivalence import verify
 from gradaccum.check.report import EquivalenceReport
 from gradaccum.distributed import dist
@@ -325,10 +326,11 @@ class _ExactDPO(ExactTrainer):
 
 def count_pairs(micro_batch: Any) -> torch.Tensor:
     """A DPO micro-batch's pairs: TRL collates the chosen rows, then the rejected rows."""
-    if not isinstance(micro_batch, Mapping) or "input_ids" not in micro_batch:
-        got = sorted(micro_batch) if isinstance(micro_batch, Mapping) else type(micro_batch).__name__
+    named = fields(micro_batch)
+    if named is None or "input_ids" not in named:
+        got = sorted(map(str, named)) if named is not None else type(micro_batch).__name__
         raise ConfigError(f"count_pairs needs TRL's DPO micro-batch with 'input_ids', got {got}")
-    ids = micro_batch["input_ids"]
+    ids = named["input_ids"]
     return torch.tensor(int(ids.shape[0]) // 2, dtype=torch.int64, device=ids.device)
 
 

@@ -21,18 +21,20 @@ ranks, the term is scaled by W like the loss's ``W/N``.
 
 Modes (:class:`LoadBalance` ``mode``):
 
-* ``"exact"``: a no-grad routing pass over the window (same weights, RNG state replayed) counts
-  ``(c, R)``; at most two forwards per micro-batch. A training forward that routes differently
+* ``"exact"``: a no-grad routing pass over the window (same weights, RNG state replayed, each
+  forward ended after the last router, the model's buffers left as found:
+  :mod:`gradaccum.moe.routing`) counts ``(c, R)``. A training forward that routes differently
   from its routing pass vetoes the update on every rank.
-* ``"lagged"``: the previous window's agreed counts; one forward per micro-batch. The first window
-  (nothing carried yet) uses each micro-batch's own statistics. The carried counts are the
-  ``"balance"`` part of the accumulator's ``state_dict``, so a resumed run is bitwise the same.
+* ``"lagged"``: the last applied window's agreed counts; one forward per micro-batch. Until a
+  window is applied (nothing carried yet) each micro-batch uses its own statistics; a skipped
+  window's counts are dropped. The carried counts are the ``"balance"`` part of the accumulator's
+  ``state_dict``, so a resumed run is bitwise the same.
 * ``"micro-batch"``: each micro-batch's own statistics, averaged over the window's micro-batches:
   what per-micro-batch balancing (the usual implementations) computes; for comparison.
 
 Options: the router z-loss (``z_coef``: per routed row, normalized by the window's rows) and
-aux-loss-free balancing (``bias_rate``: DeepSeek-V3's expert bias, moved once per optimizer step
-from the window's agreed counts, identically on every rank).
+aux-loss-free balancing (``bias_rate``: DeepSeek-V3's expert bias, moved once per applied
+optimizer step from that window's agreed counts, identically on every rank).
 
 Public API::
 
@@ -48,8 +50,8 @@ window's statistics). :class:`WindowBalance` is the whole of it as the step's en
 ``WindowEngine(..., balance=WindowBalance(spec, device))``, ``WindowBalance.use(forward)`` with
 :func:`gradaccum.moe.runner.routing_forward` before ``engine.count``, each micro-batch's forward through
 :func:`gradaccum.moe.runner.balanced_forward` (loss, term, veto); then
-``WindowBalance.finish()`` and ``engine.conclude(..., rejection=WindowBalance.rejection)``, as
-:class:`gradaccum.Accumulator` does.
+``WindowBalance.finish()`` and ``engine.conclude(..., rejection=WindowBalance.rejection)``, with
+``WindowBalance.applied`` among the engine's ``on_step`` hooks, as :class:`gradaccum.Accumulator` does.
 """
 
 from __future__ import annotations

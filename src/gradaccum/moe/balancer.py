@@ -13,19 +13,26 @@ and driven by the window engine at two points:
 What the vector holds, by mode:
 
 * ``exact``: this window's ``(c, R)``, from a no-grad routing pass over the window's micro-batches
-  (the same weights; the RNG state forked and restored, so the training forwards replay the same
-  dropout and router jitter). Each training forward's counts are compared with its routing pass;
-  a mismatch vetoes the update on every rank rather than apply a term that is not exact.
-* ``lagged``: the previous window's counts, observed in its training forwards (one forward per
-  micro-batch). The first window, with nothing carried, uses each micro-batch's own statistics, as
-  ``micro-batch`` mode does. The carried counts are this rank's, saved as the ``balance`` part of
-  the accumulator's ``state_dict`` (each rank saves and loads its own).
+  (:mod:`gradaccum.moe.routing`: the same weights, each forward stopped after its last router, the
+  RNG state forked and restored so the training forwards replay the same dropout and router
+  jitter, the model's buffers restored). Each training forward's counts are compared with its
+  routing pass; a mismatch vetoes the update on every rank rather than apply a term that is not exact.
+* ``lagged``: the counts of the last *applied* window, observed in its training forwards (one
+  forward per micro-batch). A skipped window's counts are dropped, as its gradients are: the window
+  after it uses the same counts the skipped one used. Until a window has been applied (nothing
+  carried) each micro-batch uses its own statistics, as ``micro-batch`` mode does. The carried
+  counts are this rank's, saved as the ``balance`` part of the accumulator's ``state_dict`` (each
+  rank saves and loads its own).
 * ``micro-batch``: only the window's micro-batch count M; micro-batch ``m`` uses its own ``(c, R)``
   and weighs ``1/M``: the mean over the window's micro-batches of the per-micro-batch term, which is
   what per-micro-batch balancing computes.
 
-Aux-loss-free balancing (``bias_rate``) moves each router's bias once per window, before the next
-window's first forward, from the window's agreed counts (identical on every rank).
+Aux-loss-free balancing (``bias_rate``) moves each router's bias once per *applied* optimizer step
+(:meth:`WindowBalance.applied`, an ``on_step`` hook), from that window's agreed counts, identically
+on every rank; a skipped window moves nothing. ``exact``: the counts are agreed before the window's
+forwards, so the bias moves at once, with the update. ``lagged`` and ``micro-batch``: a window's
+counts are summed over the ranks in the next window's count all-reduce, so the bias moves there,
+before that window's first forward (and only once, however many skipped windows carry them).
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from gradaccum.errors import ConfigError, EquivalenceError
 from gradaccum.moe.capture import RouterCapture
+from gradaccum.moe.routing import RoutingPass
 from gradaccum.moe.spec import LoadBalance
 from gradaccum.moe.stats import WindowStats, balance_term, route, z_term
 
@@ -61,13 +70,17 @@ class BalanceWindow:
 class WindowBalance:
     """Capture, statistics and carried state of one accumulator's load balance (a ``StatePart``)."""
 
-    def __init__(self, spec: LoadBalance, device: torch.device) -> None:
+    def __init__(self, spec: LoadBalance, device: torch.device, *, model: nn.Module | None = None) -> None:
+        """``model``: the module the routing pass runs, whose buffers it leaves as found (``None``:
+        only the routers' buffers are kept)."""
         self.spec = spec
         self.device = device
         self.capture = RouterCapture(spec.routers, spec.logits_index)
+        self._pass = RoutingPass(self.capture, device, [model] if model is not None else spec.routers)
         self._empty = WindowStats.zeros(spec.layers, spec.num_experts, device)
-        # lagged: the last window's counts seen on this rank; exact: its agreed counts (bias update)
+        # the last applied window's counts: lagged, this rank's seen in its forwards; exact, agreed
         self._carried: WindowStats | None = None
+        self._pending: WindowStats | None = None  # this window's, carried once it is applied
         self._seen: list[torch.Tensor] = []  # this window's counts per micro-batch, from its forwards
         self._terms: list[torch.Tensor] = []
         self._expected: list[tuple[torch.Tensor, torch.Tensor]] = []  # exact: the routing pass's
@@ -107,7 +120,8 @@ class WindowBalance:
             raise ConfigError(
                 "LoadBalance(mode='exact') needs use(forward) before the count: its routing pass"
             )
-        self._apply_bias()  # the previous window's update, before this window routes anything
+        if self._bias_due and self._carried is not None:  # a checkpoint saved with the move pending
+            self._apply_bias(self._carried.counts)
         per_batch = self._routing_pass(micro_batches, self._forward)
         self._expected = per_batch
         counts = torch.stack([c for c, _ in per_batch]).sum(0) if per_batch else self._empty.counts
@@ -117,19 +131,17 @@ class WindowBalance:
     def _routing_pass(
         self, micro_batches: Sequence[Any], forward: Forward
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A no-grad forward of every micro-batch, recording the routers; the RNG state restored
-        afterwards, so the training forwards draw the same random numbers in the same order."""
+        """Each micro-batch's ``(c, R)`` from its no-grad forward up to the last router
+        (:class:`~gradaccum.moe.routing.RoutingPass`: RNG state and buffers left as found)."""
         out = []
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type), torch.no_grad():
-            for mb in micro_batches:
-                with self.capture.recording(graph=False) as records:
-                    forward(mb)
-                routed = self._route(records, mb)
-                out.append((routed.counts, routed.rows))
+        for records, mb in zip(self._pass.run(micro_batches, forward), micro_batches, strict=True):
+            routed = self._route(records, mb, selection_only=True)
+            out.append((routed.counts, routed.rows))
         return out
 
-    def _route(self, records: Sequence[tuple[int, torch.Tensor]], mb: Any) -> Any:
+    def _route(
+        self, records: Sequence[tuple[int, torch.Tensor]], mb: Any, *, selection_only: bool = False
+    ) -> Any:
         spec = self.spec
         return route(
             records,
@@ -139,6 +151,7 @@ class WindowBalance:
             top_k=spec.top_k,
             device=self.device,
             biases=None if spec.bias_rate is None else [getattr(r, spec.bias_name) for r in spec.routers],
+            selection_only=selection_only,
         )
 
     def agree(self, vector: torch.Tensor) -> BalanceWindow:
@@ -155,25 +168,35 @@ class WindowBalance:
         if spec.mode == "exact":
             expected = [c for c, _ in self._expected]
             self._expected = []
-            self._carried, self._bias_due = agreed, spec.bias_rate is not None
+            self._pending = agreed  # carried, and the bias moved from it, once the window is applied
             return BalanceWindow(agreed, agreed.micro_batches, expected)
-        had = self._carried is not None
-        if had:
-            self._carried, self._bias_due = agreed, spec.bias_rate is not None
-            self._apply_bias()  # last window's agreed counts, before this window's first forward
-        # consumed: this window's forwards carry the next one's (finish); a window skipped before
-        # its forwards carries nothing, and the next balances per micro-batch
-        self._carried = None
-        stats = agreed if (had and spec.mode == "lagged") else None
+        self._pending = None  # this window's forwards fill it (finish)
+        if self._carried is None:  # nothing applied yet: each micro-batch balances on its own
+            return BalanceWindow(None, agreed.micro_batches, [])
+        if self._bias_due:  # the last applied window's counts, summed over the ranks only now
+            self._apply_bias(agreed.counts)
+        stats = agreed if spec.mode == "lagged" else None
         return BalanceWindow(stats, agreed.micro_batches, [])
 
-    def _apply_bias(self) -> None:
-        """DeepSeek-V3's update, once per window: ``b_i += rate * sign(mean load - load_i)`` per router."""
-        rate = self.spec.bias_rate
-        if rate is None or not self._bias_due or self._carried is None:
+    def applied(self, result: Any = None) -> None:
+        """An ``on_step`` hook (it runs once per applied optimizer step, never for a skipped one):
+        this window's counts become the carried ones, and the bias moves once for them (``exact``
+        now; ``lagged`` and ``micro-batch`` at the next window's agreement)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
+        self._carried = pending
+        self._bias_due = self.spec.bias_rate is not None
+        if self.spec.mode == "exact":
+            self._apply_bias(pending.counts)
+
+    def _apply_bias(self, counts: torch.Tensor) -> None:
+        """DeepSeek-V3's update, once per applied step: ``b_i += rate * sign(mean load - load_i)``
+        per router, from the window's agreed counts."""
+        rate = self.spec.bias_rate
         self._bias_due = False
-        counts = self._carried.counts
+        if rate is None:
+            return
         with torch.no_grad():
             for layer, router in enumerate(self.spec.routers):
                 bias = getattr(router, self.spec.bias_name)
@@ -208,11 +231,12 @@ class WindowBalance:
         return term, rejected
 
     def finish(self) -> None:
-        """After the window's last forward: lagged and micro-batch modes carry its counts."""
+        """After the window's last forward: lagged and micro-batch modes keep its counts, carried
+        once the window is applied (:meth:`applied`)."""
         if self.spec.mode != "exact" and self._seen:
             counts = torch.stack(self._seen).sum(0)
             rows = self._rows_of(self._seen)
-            self._carried = WindowStats(counts, rows, self._empty.micro_batches)
+            self._pending = WindowStats(counts, rows, self._empty.micro_batches)
 
     def _rows_of(self, seen: list[torch.Tensor]) -> torch.Tensor:
         """Rows from counts: every counted row fills top_k slots in each layer."""
@@ -240,7 +264,8 @@ class WindowBalance:
         return torch.stack(self._terms).sum() if self._terms else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The carried counts (this rank's), as float64 lists: exact integers, bitwise on reload."""
+        """The carried counts (this rank's, of the last applied window), as float64 lists: exact
+        integers, bitwise on reload; ``bias_due``: the bias has not moved for them yet (lagged)."""
         carried = self._carried
         return {
             "mode": self.spec.mode,

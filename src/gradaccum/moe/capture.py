@@ -11,7 +11,7 @@ Reentrant checkpointing runs the forward without a graph: its logits carry no gr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,6 +22,8 @@ from gradaccum.errors import ConfigError
 
 __all__ = ["RouterCapture"]
 
+Records = list[tuple[int, torch.Tensor]]
+
 
 class RouterCapture:
     """Forward hooks on the routers, registered once; they record only inside :meth:`recording`."""
@@ -29,7 +31,8 @@ class RouterCapture:
     def __init__(self, routers: Sequence[nn.Module], logits_index: int) -> None:
         self._routers = list(routers)
         self._index = logits_index
-        self._records: list[tuple[int, torch.Tensor]] | None = None
+        self._records: Records | None = None
+        self._after: Callable[[Records], None] | None = None
         self._handles = [r.register_forward_hook(self._hook(layer)) for layer, r in enumerate(self._routers)]
 
     def _hook(self, layer: int) -> Any:
@@ -44,19 +47,23 @@ class RouterCapture:
                     f"logits should be (LoadBalance.logits_index={self._index})"
                 )
             records.append((layer, logits))
+            if self._after is not None:
+                self._after(records)
 
         return hook
 
     @contextmanager
-    def recording(self, *, graph: bool) -> Iterator[list[tuple[int, torch.Tensor]]]:
+    def recording(self, *, graph: bool, after: Callable[[Records], None] | None = None) -> Iterator[Records]:
         """Record the routers' logits of the forwards run inside; ``graph``: the forward builds the
-        backward's graph, so every trainable router's logits must carry a gradient."""
-        records: list[tuple[int, torch.Tensor]] = []
-        self._records = records
+        backward's graph, so every trainable router's logits must carry a gradient. ``after``:
+        called with the records after each one is added, inside the router's hook (the routing
+        pass stops its forward there, :mod:`gradaccum.moe.routing`)."""
+        records: Records = []
+        self._records, self._after = records, after
         try:
             yield records
         finally:
-            self._records = None
+            self._records, self._after = None, None
         if graph and torch.is_grad_enabled():
             for layer, logits in records:
                 trains = any(p.requires_grad for p in self._routers[layer].parameters())

@@ -50,7 +50,7 @@ def balancer_for(balance: LoadBalance | None, model: nn.Module, config: Any) -> 
         )
     params = [p for p in model.parameters()]
     device = params[0].device if params else torch.device("cpu")
-    return WindowBalance(balance, device)
+    return WindowBalance(balance, device, model=unwrap(model))
 
 
 def routing_forward(model: nn.Module, loss_fn: LossFn) -> Callable[[Any], Any]:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
+from gradaccum.batch import fields
 from gradaccum.errors import ConfigError
 from gradaccum.values import is_int
 
@@ -31,11 +32,11 @@ routers see (a transformers model flattens ``[batch, seq]``); ``None``: every ro
 
 
 def attention_mask(micro_batch: Any) -> torch.Tensor | None:
-    """transformers' own mask: the micro-batch's ``attention_mask``, when it is a mapping that has one."""
-    if isinstance(micro_batch, dict):
-        mask = micro_batch.get("attention_mask")
-        return mask if isinstance(mask, torch.Tensor) else None
-    return None
+    """transformers' own mask: the micro-batch's ``attention_mask``, when it has one (any mapping,
+    ``BatchEncoding`` included, a namedtuple or a dataclass: :func:`gradaccum.batch.fields`)."""
+    named = fields(micro_batch)
+    mask = None if named is None else named.get("attention_mask")
+    return mask if isinstance(mask, torch.Tensor) else None
 
 
 def _number(name: str, value: object, *, optional: bool) -> None:
@@ -73,7 +74,7 @@ class LoadBalance:
     ``load_balancing_loss_func``); False: one term per layer, summed over the layers."""
     mask_fn: MaskFn | None = None
     """The rows that count (padding masked as the model's formula does); ``None``: a micro-batch's
-    ``attention_mask`` when it is a dict that holds one, else every row."""
+    ``attention_mask`` when it holds one (any mapping, a namedtuple or a dataclass), else every row."""
     mode: BalanceMode = "exact"
     """``exact``: the window's statistics, counted by a no-grad routing pass before the first
     backward; ``lagged``: the previous window's; ``micro-batch``: each micro-batch's own."""
@@ -82,10 +83,11 @@ class LoadBalance:
     row, normalized by the window's routed rows; ``None``: no z-loss."""
     bias_rate: float | None = None
     """Aux-loss-free balancing (DeepSeek-V3): each router's ``bias_name`` buffer moves by
-    ``bias_rate * sign(mean load - load_i)`` once per optimizer step, from the window's agreed
-    counts, before the next window's first forward; ``None``: off. The router is taken to select
-    the top-k of ``softmax(logits) + bias`` (the bias steers the choice, not the weights), and
-    ``c`` counts that selection."""
+    ``bias_rate * sign(mean load - load_i)`` once per applied optimizer step, from that window's
+    agreed counts (``exact``: with the update; ``lagged``/``micro-batch``: at the next window's
+    count all-reduce, before its first forward), never for a skipped window; ``None``: off. The
+    router is taken to select the top-k of ``softmax(logits) + bias`` (the bias steers the choice,
+    not the weights), and ``c`` counts that selection."""
     bias_name: str = "e_score_correction_bias"
     """The router buffer the bias update moves (the name DeepSeek-V3's router uses)."""
     logits_index: int = 0

@@ -78,13 +78,15 @@ def route(
     top_k: int,
     device: torch.device,
     biases: Sequence[torch.Tensor] | None = None,
+    selection_only: bool = False,
 ) -> Routed:
     """The routing statistics of one forward from its captured ``(layer, logits)`` pairs.
 
     ``mask``: one weight per row (``[batch, seq]`` is flattened as transformers' routers flatten
     their input), or ``None`` for every row. A router called twice adds into its layer's row.
     ``biases``: aux-loss-free balancing's per-router expert bias, added to the probabilities for
-    the selection only (as DeepSeek-V3 routes), so that ``c`` counts the slots actually routed."""
+    the selection only (as DeepSeek-V3 routes), so that ``c`` counts the slots actually routed.
+    ``selection_only``: ``c`` and ``R`` only (the routing pass), ``probs`` and ``z`` left zero."""
     counts = [torch.zeros(num_experts, dtype=torch.float64, device=device) for _ in range(layers)]
     rows = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(layers)]
     probs: list[torch.Tensor | None] = [None] * layers
@@ -109,6 +111,8 @@ def route(
         weight = flat if flat is not None else torch.ones(logits.shape[0], dtype=torch.float64, device=device)
         counts[layer] = counts[layer].scatter_add(0, chosen.to(device), weight.repeat_interleave(top_k))
         rows[layer] = rows[layer] + weight.sum()
+        if selection_only:
+            continue
         w = weight.to(p.dtype)
         s = (p * w.unsqueeze(-1)).sum(0).to(torch.float64)
         z = (torch.logsumexp(work, dim=-1).square() * w).sum().to(torch.float64)

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradaccum.batch import fields
 from gradaccum.errors import ConfigError
 
 __all__ = ["MODEL_KEYS", "PolicyInputs", "policy_inputs"]
@@ -42,11 +43,13 @@ class PolicyInputs(NamedTuple):
 
 def policy_inputs(micro_batch: Any, *, need_ref: bool) -> PolicyInputs:
     """The micro-batch's tensors, checked (shapes and dtypes; no device read)."""
-    if not isinstance(micro_batch, Mapping):
+    named = fields(micro_batch)
+    if named is None:
         raise ConfigError(
             f"PolicyLoss needs a micro-batch mapping with {list(_REQUIRED)} (and optionally "
             f"'ref_logprobs'), got {type(micro_batch).__name__}"
         )
+    micro_batch = named
     missing = [key for key in _REQUIRED if key not in micro_batch]
     if need_ref and "ref_logprobs" not in micro_batch:
         missing.append("ref_logprobs")

@@ -11,12 +11,14 @@ sequence means divide by the update's sequences, not by each micro-batch's rows 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from gradaccum.batch import fields
 from gradaccum.errors import ConfigError, CountError
 from gradaccum.fielddocs import document_fields
 from gradaccum.loss import logits_of
@@ -143,7 +145,7 @@ class PolicyLoss:
         """The micro-batch's per-token losses summed with the aggregation's weights."""
         inputs = policy_inputs(micro_batch, need_ref=self.kl_coef > 0)
         logits = model_logits(model, micro_batch, "PolicyLoss")
-        logprobs = token_logprobs(logits, micro_batch["input_ids"])
+        logprobs = token_logprobs(logits, fields_of(micro_batch, "PolicyLoss")["input_ids"])
         dtype = logprobs.dtype
         losses = per_token_loss(
             logprobs,
@@ -159,5 +161,17 @@ class PolicyLoss:
 
 def model_logits(model: nn.Module, micro_batch: Any, who: str) -> torch.Tensor:
     """Call ``model`` on the micro-batch's model keys; its logits ``(rows, seq, vocab)``."""
-    out = model(**{key: micro_batch[key] for key in MODEL_KEYS if key in micro_batch})
-    return logits_of(out, micro_batch["input_ids"], who=who, against="input_ids")
+    named = fields_of(micro_batch, who)
+    out = model(**{key: named[key] for key in MODEL_KEYS if key in named})
+    return logits_of(out, named["input_ids"], who=who, against="input_ids")
+
+
+def fields_of(micro_batch: Any, who: str) -> Mapping[Any, Any]:
+    """The micro-batch's named fields (:func:`gradaccum.batch.fields`), or a ``ConfigError``."""
+    named = fields(micro_batch)
+    if named is None:
+        raise ConfigError(
+            f"{who} needs a micro-batch of named tensors (a mapping, a namedtuple or a dataclass), "
+            f"got {type(micro_batch).__name__}"
+        )
+    return named

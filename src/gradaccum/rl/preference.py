@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gradaccum.batch import fields
 from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
 from gradaccum.rl.objective import token_logprobs
@@ -116,10 +117,12 @@ def _pairs(micro_batch: Any) -> Mapping[str, torch.Tensor]:
     keys = [f"{side}_{key}" for side in _SIDES for key in _PER_TOKEN] + [
         f"ref_{side}_logprobs" for side in _SIDES
     ]
-    if not isinstance(micro_batch, Mapping):
+    named = fields(micro_batch)
+    if named is None:
         raise ConfigError(
             f"PreferenceLoss needs a micro-batch mapping with {keys}, got {type(micro_batch).__name__}"
         )
+    micro_batch = named
     missing = [key for key in keys if key not in micro_batch]
     if missing:
         raise ConfigError(f"PreferenceLoss: the micro-batch has no {missing}; it holds {sorted(micro_batch)}")

@@ -112,6 +112,9 @@ class Accumulator(EngineFace):
             backward=backward,
             balance=balancer,
         )
+        if balancer is not None:  # its counts carry, and its bias moves, once per applied update
+            hooks = self._engine.on_step  # before the caller's hooks, which may evaluate the model
+            hooks.insert(len(hooks) - len(on_step), balancer.applied)
         # decided once: a plain step skips what only distributed or optional features use
         self._plain = plain_window(self._engine)
 

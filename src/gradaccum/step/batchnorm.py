@@ -3,8 +3,11 @@
 PyTorch's BatchNorm updates ``running_mean``/``running_var`` in every training forward, so a window
 of k micro-batches moves them k times per optimizer step (an effective momentum of
 ``1 - (1 - m)^k``), each time from one micro-batch's moments. With ``batchnorm_stats="window"``
-they move once per applied optimizer step, exactly as one forward over the whole window's rows
-(on every data-parallel rank) would move them:
+they move once per applied optimizer step, from the pooled moments of what each BatchNorm saw: the
+inputs of its training forwards over the window (on every data-parallel rank). For a BatchNorm
+whose input does not pass through another one, that is what one forward over the whole window's
+rows would leave; a BatchNorm behind another sees inputs that were normalized per micro-batch, so
+its estimate is the pooled one, not that of a whole-window forward:
 
 - a forward pre-hook on every BatchNorm that tracks running statistics reads the per-channel
   moments of its input in each training forward of the window: the count n, the mean and

@@ -104,8 +104,9 @@ class AccumConfig:
     """How BatchNorm layers update ``running_mean``, ``running_var`` and ``num_batches_tracked``.
     ``micro-batch``: PyTorch's behaviour, once per forward (k times per optimizer step, an
     effective momentum of ``1 - (1 - m)^k``). ``window``: once per applied optimizer step, from the
-    moments of every micro-batch's input pooled over the window (and the data-parallel ranks), as
-    one forward over the window's rows would; a skipped or abandoned window leaves them as they
+    pooled moments of what each BatchNorm saw over the window (every micro-batch's input to it, on
+    every data-parallel rank); for a BatchNorm whose input no other BatchNorm normalized, what one
+    forward over the window's rows would leave. A skipped or abandoned window leaves them as they
     were. Each forward still normalizes with its own micro-batch's statistics. See
     :mod:`gradaccum.step.batchnorm`."""
     accum_dtype: str | torch.dtype | None = None

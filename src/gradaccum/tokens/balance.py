@@ -110,12 +110,8 @@ def _halve(micro_batches: list[list[int]], world: int) -> None:
     """Split the micro-batch of most rows in two (each half stays within the budget, trimmed)."""
     j = max(range(len(micro_batches)), key=lambda m: (len(micro_batches[m]), -m))
     rows = micro_batches[j]
-    if len(rows) < 2:
-        raise PlanError(
-            f"equal_count=True: the window's {len(micro_batches)} micro-batches hold one row each and "
-            f"cannot be dealt equally to {world} ranks; give the window a multiple of {world} rows, "
-            "or a larger max_tokens"
-        )
+    if len(rows) < 2:  # plan_tokens halves only while a micro-batch holds two rows
+        raise PlanError(f"internal: {len(micro_batches)} micro-batches of one row each cannot be halved")
     half = (len(rows) + 1) // 2
     micro_batches[j : j + 1] = [rows[:half], rows[half:]]
 
@@ -228,10 +224,64 @@ def _rebalance(
             mb.sort(key=lambda i: (-lengths[i], i))
 
 
+def _fill_empty(ranks: list[list[list[int]]], valid: Sequence[int]) -> None:
+    """Give every rank without a micro-batch one, in place, from a rank that holds two or more.
+
+    The largest differencing balances weights, and a micro-batch of rows without a valid token
+    weighs nothing: it can land beside another on one rank and leave a rank with none, which cannot
+    step (the window's engine refuses an empty window). Of the micro-batches a rank of two or more
+    can give, the move that leaves the ranks' valid tokens closest to their mean is taken (the row
+    moves after it balance further). There are at least ``world`` micro-batches, so a giver exists.
+    """
+    while True:
+        empty = next((r for r, rank in enumerate(ranks) if not rank), None)
+        if empty is None:
+            return
+        totals = [sum(valid[i] for mb in rank for i in mb) for rank in ranks]
+        mean = sum(totals) / len(totals)
+        best: tuple[float, int, int] | None = None
+        for giver, rank in enumerate(ranks):
+            if len(rank) < 2:
+                continue
+            for m, rows in enumerate(rank):
+                weight = sum(valid[i] for i in rows)
+                after = [
+                    t - weight if r == giver else t + weight if r == empty else t
+                    for r, t in enumerate(totals)
+                ]
+                key = (max(abs(t - mean) for t in after), giver, m)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            raise PlanError(f"internal: no rank can give rank {empty} a micro-batch")
+        _, giver, m = best
+        ranks[empty].append(ranks[giver].pop(m))
+
+
 def _imbalance(ranks: list[list[list[int]]], valid: Sequence[int]) -> float:
     totals = [sum(valid[i] for mb in rank for i in mb) for rank in ranks]
     mean = sum(totals) / len(totals)
     return max(abs(t - mean) for t in totals) / mean if mean else 0.0
+
+
+def _refuse_unequal(fewest: int, rows: int, world: int, max_tokens: int) -> None:
+    """Refuse ``equal_count`` where no plan deals the ranks equal counts.
+
+    The sorted cut needs the fewest micro-batches any plan within the budget can have (a micro-batch
+    holding the longest row holds at most ``max_tokens // longest`` rows, and the cut gives it the
+    longest ones, so the rest is no harder to cut), and any count from there up to one row per
+    micro-batch is reached by halving. An equal plan exists iff a multiple of ``world`` lies
+    between the two.
+    """
+    target = -(-fewest // world) * world
+    if target > rows:
+        raise PlanError(
+            f"equal_count=True: the window's {rows} rows need at least {fewest} micro-batches within "
+            f"max_tokens={max_tokens} and can fill at most {rows} (a row each), and no multiple of "
+            f"{world} ranks lies between {fewest} and {rows}, so the ranks cannot run equal counts. "
+            f"Give the window at least {target} rows, raise max_tokens so that fewer micro-batches "
+            f"hold it, or leave equal_count off (DDP steps unequal counts exactly)."
+        )
 
 
 def plan_tokens(
@@ -250,7 +300,9 @@ def plan_tokens(
     (:func:`_rebalance`), one more micro-batch (``world`` more with ``equal_count``) is made by
     splitting the one of most rows, up to ``world`` more in all; the best balanced plan is kept.
     Every rank gets at least one micro-batch (a rank with an empty window cannot step), and with
-    ``equal_count`` the same number. Fewer rows than ranks is refused.
+    ``equal_count`` the same number: a rank the assignment left empty (micro-batches of rows
+    without a valid token weigh nothing) is given one by :func:`_fill_empty`. Fewer rows than ranks
+    is refused, and ``equal_count`` only where no equal plan exists (:func:`_refuse_unequal`).
     """
     world = require_int("world", world, error=PlanError)
     valid = list(lengths if valid is None else valid)
@@ -262,6 +314,9 @@ def plan_tokens(
             "to step. Give the window at least one row per rank (a larger global batch)."
         )
     micro_batches = cut(lengths, max_tokens)
+    if equal_count:
+        _refuse_unequal(len(micro_batches), len(lengths), world, max_tokens)
+    # halving splits a micro-batch of two rows or more: possible while there are fewer than rows
     while len(micro_batches) < world or (equal_count and len(micro_batches) % world):
         _halve(micro_batches, world)
     fewest = len(micro_batches)
@@ -271,14 +326,16 @@ def plan_tokens(
         sets = assign(weights, world, equal_count=equal_count)
         ranks = [[list(micro_batches[m]) for m in items] for items in sets]
         if world > 1:
+            _fill_empty(ranks, valid)
             _rebalance(ranks, lengths, valid, max_tokens)
         if best is None or _imbalance(ranks, valid) < _imbalance(best, valid):
             best = ranks
         if _imbalance(best, valid) <= BALANCE_TOLERANCE or len(micro_batches) >= fewest + world:
             break
-        if max(len(mb) for mb in micro_batches) < 2:
+        step = world if equal_count else 1
+        if len(micro_batches) + step > len(lengths):  # each micro-batch holds a row at least
             break
-        for _ in range(world if equal_count else 1):
+        for _ in range(step):
             _halve(micro_batches, world)
     return TokenPlan(
         ranks=tuple(tuple(tuple(mb) for mb in rank) for rank in best),

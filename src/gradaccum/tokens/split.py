@@ -14,12 +14,11 @@ breaking their normalization that way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from gradaccum.batch import Batch, batch_size, select, trim_length
+from gradaccum.batch import Batch, batch_size, fields, select, trim_length
 from gradaccum.errors import PlanError
 from gradaccum.loss import IGNORE_INDEX
 from gradaccum.tokens.balance import TokenPlan, plan_tokens
@@ -31,21 +30,30 @@ __all__ = ["plan_batch", "split_by_tokens"]
 def _tokens(batch: Batch) -> torch.Tensor:
     """Where each row holds a token, ``(rows, seq)`` bool on the host: the ``attention_mask``, or
     for a batch without one the labels that are not the ignore index (-100)."""
-    key = "attention_mask" if isinstance(batch, Mapping) and "attention_mask" in batch else "labels"
-    if not isinstance(batch, Mapping) or key not in batch:
-        got = sorted(map(str, batch)) if isinstance(batch, Mapping) else type(batch).__name__
+    named = fields(batch)
+    key = "attention_mask" if named is not None and "attention_mask" in named else "labels"
+    if named is None or key not in named:
+        got = sorted(map(str, named)) if named is not None else type(batch).__name__
         raise PlanError(
             f"split_by_tokens reads each row's length from batch['attention_mask'] (or, without one, "
             f"batch['labels']), got {got}; pass the window's global batch as a mapping of right-padded "
             "tensors with an attention_mask (1 on tokens, 0 on padding)"
         )
-    marks = batch[key]
+    marks = named[key]
     if not isinstance(marks, torch.Tensor) or marks.ndim != 2 or marks.shape[1] == 0:
         shape = tuple(marks.shape) if isinstance(marks, torch.Tensor) else type(marks).__name__
         raise PlanError(f"{key} must be a (rows, seq) tensor with seq >= 1, got {shape}")
     batch_size(batch)  # every tensor shares dim 0
     marks = marks.detach().to("cpu")
     return marks != 0 if key == "attention_mask" else marks != IGNORE_INDEX
+
+
+def _tokens_tensor(batch: Batch) -> torch.Tensor:
+    """The tensor :func:`_tokens` read the rows' tokens from (on the batch's device)."""
+    named = fields(batch)
+    assert named is not None  # _tokens refused a batch without names
+    marks: torch.Tensor = named["attention_mask" if "attention_mask" in named else "labels"]
+    return marks
 
 
 def plan_batch(batch: Batch, max_tokens: int, *, world: int = 1, equal_count: bool = False) -> TokenPlan:
@@ -93,7 +101,9 @@ def split_by_tokens(
 
     ``equal_count=True`` gives every rank the same number of micro-batches: FSDP, FSDP2 and meshes
     gather parameters in every forward, and the step refuses unequal counts there. Without it the
-    counts may differ between ranks (DDP steps them exactly).
+    counts may differ between ranks (DDP steps them exactly). It is refused only for a window that
+    has no equal plan: when no multiple of ``world`` lies between the fewest micro-batches the
+    budget allows and the window's rows.
 
     A row longer than ``max_tokens`` is refused (:class:`gradaccum.PlanError`, naming its length
     and the budget), as are fewer rows than ranks.
@@ -104,7 +114,7 @@ def split_by_tokens(
         raise PlanError(f"rank={rank} is not one of the world's {world} ranks (0..{world - 1})")
     plan = plan_batch(batch, max_tokens, world=world, equal_count=equal_count)
     out = []
-    device = batch["attention_mask" if "attention_mask" in batch else "labels"].device
+    device = _tokens_tensor(batch).device
     for rows in plan.ranks[rank]:
         longest = max(plan.lengths[i] for i in rows)
         index = torch.tensor(rows, dtype=torch.long, device=device)

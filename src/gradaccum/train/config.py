@@ -12,6 +12,7 @@ from gradaccum.plan import BatchPlan
 from gradaccum.step.config import AccumConfig
 from gradaccum.train.batch_schedule import CriticalBatchConfig
 from gradaccum.train.schedule import ScheduleConfig
+from gradaccum.train.settings import BALANCE_CHOICES
 from gradaccum.train.spec import (
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_CHECKPOINT_MINUTES,
@@ -103,6 +104,11 @@ class TrainConfig:
     longest row), balanced across the ranks (:func:`gradaccum.split_by_tokens`; equal counts under
     FSDP2), instead of ``plan.micro_batch`` rows each; the plan then holds the global batch as
     ``global_batch / dp`` rows per rank and one window. ``None``: fixed micro-batches."""
+    balance: str | None = None
+    """A routing (mixture-of-experts) model's load balance: ``exact``, ``lagged``, ``micro-batch``
+    (:class:`gradaccum.moe.LoadBalance` modes) or ``off``; ``None``: the model's own choice, exact
+    when its config asks for its balancing loss (``output_router_logits=True``), else off
+    (:func:`gradaccum.workloads.balance.choose_balance`). A dense model takes ``None`` or ``off``."""
     batch_schedule: CriticalBatchConfig | None = None
     """Grow the global batch with the measured noise scale (``accum_steps`` rises, ``plan`` is the
     start); needs ``accum.noise_scale``. ``None``: the plan's batch throughout."""
@@ -141,6 +147,10 @@ class TrainConfig:
         _positive("eval_examples", self.eval_examples, allow_none=False)
         if self.precision not in PRECISIONS:
             raise TrainError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.balance is not None and self.balance not in BALANCE_CHOICES:
+            raise TrainError(
+                f"balance must be one of {', '.join(BALANCE_CHOICES)} or None, got {self.balance!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise TrainError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):

@@ -32,7 +32,7 @@ from gradaccum.batch import Batch, batch_size, cast, split, take, to_device
 from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan
 from gradaccum.step.accumulator import CountFn
-from gradaccum.tokens.split import split_by_tokens
+from gradaccum.tokens.split import plan_batch, split_by_tokens
 from gradaccum.train.config import TrainError
 
 __all__ = [
@@ -102,6 +102,14 @@ class Window:
     """This rank's ``accum_steps`` micro-batches, on the training device."""
     global_count: int
     """Valid units in the whole global batch (all ranks): the window's N."""
+    all_micro_batches: int | None = None
+    """With a token budget: the window's micro-batches over every rank (they follow the lengths)."""
+    computed_tokens: int | None = None
+    """With a token budget: the token positions every rank's micro-batches compute (rows x longest
+    row each, once trimmed), padding included."""
+    present_tokens: int | None = None
+    """With a token budget: the tokens of the window's rows (``attention_mask`` ones): what of
+    ``computed_tokens`` is not padding."""
 
 
 @dataclass(eq=False)
@@ -154,7 +162,16 @@ class ShardedStream:
         global_count = int(torch.as_tensor(self.count_fn(full)))
         if self.max_tokens is not None:
             parts = self._by_tokens(full, index, self.max_tokens)
-            return Window(index=index, micro_batches=parts, global_count=global_count)
+            # every rank's cut, as split_by_tokens made it (deterministic): what the window computes
+            cut = plan_batch(full, self.max_tokens, world=self.plan.dp, equal_count=self.equal_count)
+            return Window(
+                index=index,
+                micro_batches=parts,
+                global_count=global_count,
+                all_micro_batches=cut.micro_batches,
+                computed_tokens=sum(cut.rank_computed_tokens),
+                present_tokens=sum(cut.valid),
+            )
         local = self._prepare(take(full, start, stop))
         return Window(
             index=index,

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from gradaccum.check.workload import Workload, load_workload
 from gradaccum.distributed import dist
+from gradaccum.names import HF_PREFIX
 from gradaccum.precision import autocast_loss, make_scaler
 from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
@@ -59,6 +60,8 @@ from gradaccum.train.records import (
 )
 from gradaccum.train.run_folder import RUNCARD_FILE, check_run_folder
 from gradaccum.train.schedule import Schedule, apply_lr, resolve_schedule
+from gradaccum.workloads.balance import BalanceChoice, choose_balance
+from gradaccum.workloads.experts import eager_experts
 
 __all__ = ["RUNCARD_FILE", "TrainControl", "TrainResult", "train"]
 
@@ -161,6 +164,7 @@ class _Session:
     tokens_per_step: int
     eval_batches: list[Any]
     batch: CriticalBatchSchedule | None = None
+    balance: BalanceChoice | None = None
 
 
 def _setup(config: TrainConfig, workload: Workload) -> _Session:
@@ -189,7 +193,9 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         max_tokens=config.max_tokens,
         equal_count=config.fsdp,  # FSDP2 gathers parameters in every forward
     )
-    acc = Accumulator.from_config(model, optimizer, config.accum, scaler=scaler)
+    # a routing model: the window's balancing term (or none), chosen once by the commands' one rule
+    balance, choice = choose_balance(model, config.balance, scaling=config.accum.scaling)
+    acc = Accumulator.from_config(model, optimizer, config.accum, scaler=scaler, balance=balance)
     progress, resumed_from, checkpoint_schedule, skipped = TrainProgress(), None, None, ()
     if point is not None:
         progress, meta = load_checkpoint(
@@ -225,6 +231,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         tokens_per_step=per_step,
         eval_batches=stream.eval_batches(config.eval_examples) if config.eval_every else [],
         batch=batch,
+        balance=choice,
     )
 
 
@@ -292,6 +299,11 @@ def _train_window(s: _Session) -> StepRecord:
         global_batch=plan.global_batch,
         accum_steps=len(window.micro_batches),  # this rank's: a token budget varies it
         recompiles=result.recompiles,
+        micro_batches=window.all_micro_batches,
+        computed_tokens=window.computed_tokens,
+        padding_tokens=None
+        if window.computed_tokens is None or window.present_tokens is None
+        else window.computed_tokens - window.present_tokens,
     )
 
 
@@ -355,6 +367,21 @@ def _critical_batch(workload: Workload, s: _Session) -> tuple[NoiseScale | None,
     return noise, noise.describe(units, workload.unit)
 
 
+def _param_dtypes(model: nn.Module) -> str:
+    """The dtypes of ``model``'s trainable parameters, by share: ``bfloat16``, or ``float32 (90%),
+    bfloat16 (10%)`` for a mixed model."""
+    sizes: dict[str, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            name = str(p.dtype).removeprefix("torch.")
+            sizes[name] = sizes.get(name, 0) + p.numel()
+    total = sum(sizes.values())
+    if len(sizes) <= 1:
+        return next(iter(sizes), "none")
+    ranked = sorted(sizes.items(), key=lambda item: -item[1])
+    return ", ".join(f"{name} ({100 * n / total:.0f}%)" for name, n in ranked)
+
+
 def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None:
     noise, words = _critical_batch(workload, s)
     card = RunCard(
@@ -370,6 +397,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
         seed=config.seed,
         compile=config.compile,
         max_tokens=config.max_tokens,
+        balance=None if s.balance is None else s.balance.to_dict(),
         **environment(s.device),
         extra={
             "schedule": s.schedule.to_dict(),
@@ -418,6 +446,10 @@ def train(
     window has trained.
     """
     workload = workload if workload is not None else load_workload(config.workload)
+    experts = None
+    if config.precision == "float64" and config.workload.startswith(HF_PREFIX):
+        # a transformers MoE folder's fused expert kernels take no float64: the eager one, said
+        workload, experts = eager_experts(workload, flag="--precision", what="float64 training")
     control = control if control is not None else TrainControl()
     s = _setup(config, workload)
     emit = Recorder(
@@ -441,6 +473,9 @@ def train(
             batch_schedule=None if s.batch is None else s.batch.to_dict(),
             unit=workload.unit,
             evaluation=held_out_summary(workload).get("summary"),
+            balance=None if s.balance is None else s.balance.describe(),
+            param_dtypes=_param_dtypes(s.model),
+            experts=experts,
         )
     )
     meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}

@@ -78,6 +78,13 @@ class TrainStart:
     batch in valid units."""
     evaluation: str | None = None
     """The rows held out of training for evaluation, in words (an ``hf:`` workload's split)."""
+    balance: str | None = None
+    """A routing model's load balance, in words: mode, coefficient and why
+    (:meth:`gradaccum.workloads.balance.BalanceChoice.describe`); ``None``: the model does not route."""
+    param_dtypes: str = ""
+    """The dtypes the model's trainable parameters are stored in (beside the compute precision)."""
+    experts: str | None = None
+    """Set when an ``hf:`` MoE model's experts were switched to the eager kernel for float64, in words."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,6 +126,14 @@ class StepRecord:
     """Micro-batches per rank in this window."""
     recompiles: int = 0
     """Graphs torch.compile compiled during this window (``StepResult.recompiles``; 0 eager)."""
+    micro_batches: int | None = None
+    """With a token budget: the window's micro-batches over every rank (``None``: fixed ones,
+    ``accum_steps`` per rank)."""
+    computed_tokens: int | None = None
+    """With a token budget: token positions the window computed, padding included (rows x longest
+    row of each micro-batch, all ranks)."""
+    padding_tokens: int | None = None
+    """With a token budget: of ``computed_tokens``, the padding positions."""
     kind: str = "step"
 
 

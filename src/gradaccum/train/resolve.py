@@ -22,6 +22,7 @@ from gradaccum.step.config import AccumConfig
 from gradaccum.train.batch_schedule import CriticalBatchConfig
 from gradaccum.train.config import TrainConfig
 from gradaccum.train.schedule import ScheduleConfig
+from gradaccum.train.settings import ACCUM_SETTINGS, RUN_SETTINGS
 from gradaccum.train.spec import (
     BATCH_FIELDS,
     DEFAULT_GLOBAL_BATCH,
@@ -76,6 +77,7 @@ _RESOLVED = frozenset(
         "checkpoint_every",
         "checkpoint_minutes",
         *BATCH_FIELDS,
+        *(setting.name for setting in RUN_SETTINGS),
     }
 )
 _CONFIG_FIELDS = frozenset(f.name for f in fields(TrainConfig))
@@ -150,6 +152,8 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
         max_consecutive_skips=_given(spec.max_consecutive_skips, DEFAULT_MAX_SKIPS),
         noise_scale=spec.noise_scale or batch is not None,  # the schedule follows the estimate
         scaling=_given(spec.scaling, "pre"),
+        # the plain choices of gradaccum.train.settings, by name; unset ones keep AccumConfig's default
+        **{s.name: getattr(spec, s.name) for s in ACCUM_SETTINGS if getattr(spec, s.name) is not None},
     )
     fixed = {
         "workload": _given(spec.workload, DEFAULT_WORKLOAD),
@@ -162,6 +166,7 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
         "batch_schedule": batch,
         "compile": spec.compile,
         "max_tokens": spec.max_tokens,
+        "balance": spec.balance,
     }
     return plan, fixed
 
@@ -234,6 +239,9 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         # compiling does not change the update: a compiled card compiles, --compile compiles any card
         "compile": card.compile or spec.compile,
         "max_tokens": card.max_tokens,
+        # a card from a routing model records the balance it ran; one without (a dense model, or a
+        # card older than the field) leaves the model's own choice
+        "balance": None if card.balance is None else card.balance["mode"],
     }
     if card.optimizer == "workload":
         optimizer = "the workload's own optimizer_factory (its learning rates are the schedule's peak)"
@@ -241,7 +249,7 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         optimizer = f"{card.optimizer}, lr {card.lr:g}, weight decay {_word(fixed['weight_decay'])}"
     accum = ", ".join(f"{k} {_word(v)}" for k, v in card.accum.to_dict().items() if k != "track_grad_norm")
     notes: tuple[str, ...] = (
-        f"from run card {path}: workload {card.workload}; {_card_equation(card)}; precision "
+        f"from run card {path}: workload {card.workload}; {card.equation()}; precision "
         f"{card.precision}"
         + (" (with a GradScaler)" if card.precision == "float16" else "")
         + f"; seed {card.seed}"
@@ -249,6 +257,8 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         f"from run card: optimizer {optimizer}",
         f"from run card: accumulation {accum}",
     )
+    if card.balance is not None:
+        notes += (f"from run card: load balance {_balance_words(card.balance)}",)
     if batch is not None:
         notes += (
             f"from run card: batch schedule critical, up to {batch.max_global_batch:,} examples, growth "
@@ -256,14 +266,6 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
             f"fraction {batch.fraction:g} (decided again with these settings)",
         )
     return card.plan, fixed, notes
-
-
-def _card_equation(card: RunCard) -> str:
-    if card.max_tokens is None:
-        return card.plan.equation()
-    return (
-        f"global_batch = {card.plan.global_batch} rows over dp {card.plan.dp}, max_tokens {card.max_tokens}"
-    )
 
 
 def _flag(name: str) -> str:
@@ -288,6 +290,8 @@ def _card_value(card: RunCard, name: str) -> str:
         "max_grad_norm": _word(card.accum.max_grad_norm),
         "max_consecutive_skips": _word(card.accum.max_consecutive_skips),
     }
+    values |= {s.name: _word(getattr(card.accum, s.name)) for s in ACCUM_SETTINGS}
+    values["balance"] = "no balance recorded" if card.balance is None else _balance_words(card.balance)
     if name in values:
         return str(values[name])
     recorded = card.extra.get("batch_schedule")
@@ -301,6 +305,11 @@ def _card_value(card: RunCard, name: str) -> str:
     }
     key = field[name]
     return "critical" if key is None else _word(recorded.get(key))
+
+
+def _balance_words(recorded: dict[str, Any]) -> str:
+    coef = recorded.get("coef")
+    return str(recorded["mode"]) + ("" if coef is None else f", coefficient {coef:g}")
 
 
 def _word(value: Any) -> str:

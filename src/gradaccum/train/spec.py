@@ -6,7 +6,9 @@
 :class:`~gradaccum.train.config.TrainConfig`, :func:`~gradaccum.train.loop.train` runs that, and the
 command line renders the events and the result.
 
-Adding a flag is a two-place change:
+An accumulation setting that is a plain choice is one row of
+:data:`gradaccum.train.settings.RUN_SETTINGS` and a field here of the same name: the flag, the run
+card's refusal and the resolution follow from the row. Any other flag is a two-place change:
 
 1. the flag, in ``gradaccum.cli.cmd_train.register``, with ``dest`` equal to the field's name and
    argparse's default ``None`` (the help states the real default);
@@ -30,6 +32,7 @@ from typing import Literal
 from gradaccum.errors import PlanError, TrainError
 from gradaccum.names import PRECISIONS, Precision
 from gradaccum.train.batch_schedule import LR_RULES, LrRule
+from gradaccum.train.settings import RUN_SETTINGS
 from gradaccum.values import require_int
 
 __all__ = [
@@ -87,8 +90,10 @@ CARD_FIELDS = (
     "weight_decay",
     "max_grad_norm",
     "max_consecutive_skips",
+    *(setting.name for setting in RUN_SETTINGS),
 )
-"""The fields a run card fixes (the plan, the arithmetic of the update, the optimizer). Given beside
+"""The fields a run card fixes (the plan, the arithmetic of the update, the optimizer, the
+accumulation settings of :data:`gradaccum.train.settings.RUN_SETTINGS`). Given beside
 ``runcard`` they are refused, naming the card's value, never silently ignored; so they default to
 ``None``, "not given"."""
 
@@ -154,6 +159,16 @@ class TrainSpec:
     :data:`DEFAULT_MAX_GRAD_NORM`."""
     max_consecutive_skips: int | None = None
     """Stop after this many skipped updates in a row; ``None``: :data:`DEFAULT_MAX_SKIPS`."""
+    accum_dtype: str | None = None
+    """Accumulate bfloat16/float16 parameters' gradients in this dtype (``AccumConfig.accum_dtype``);
+    ``None``: the parameters' own dtype."""
+    batchnorm_stats: str | None = None
+    """BatchNorm statistics per ``micro-batch`` or per ``window`` (``AccumConfig.batchnorm_stats``);
+    ``None``: ``micro-batch``."""
+    balance: str | None = None
+    """A routing model's load balance: ``exact``, ``lagged``, ``micro-batch`` or ``off``; ``None``:
+    exact when the model's config asks for its balancing loss, else off
+    (:func:`gradaccum.workloads.balance.choose_balance`)."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """Linear warmup, then cosine decay to ``min_lr_ratio`` or flat."""
     schedule_clock: Literal["steps", "tokens"] = "steps"
@@ -207,6 +222,8 @@ class TrainSpec:
         require_int("checkpoint_every", self.checkpoint_every, low=0, error=TrainError)
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        for setting in RUN_SETTINGS:
+            _choice(setting.name, getattr(self, setting.name), setting.choices)
         _choice("schedule", self.schedule, ("cosine", "constant"), none_ok=False)
         _choice("scaling", self.scaling, ("pre", "post"))
         _choice("schedule_clock", self.schedule_clock, ("steps", "tokens"), none_ok=False)
