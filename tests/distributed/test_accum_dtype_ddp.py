@@ -11,6 +11,7 @@ the unsharded gradient in float32 itself.
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import pytest
@@ -154,3 +155,70 @@ def _ddp_hook_and_post(rank: int, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def wrapped() -> list[dict[str, Any]]:
     return values(run_ranks(_ddp_hook_and_post, timeout_s=120))
+
+
+def _lifetime(rank: int, world: int) -> dict[str, Any]:
+    """Two windows in a with-block, the user's own DDP backward after it, then accumulators that
+    take DDP's communication hook over from a closed and from a dropped one."""
+    low = models.mlp(dtype=torch.bfloat16)
+    ddp = DDP(low)
+    batch = cast(rank_slice(models.mlp_batch(32), [0, 16, 32], rank), torch.bfloat16)
+    window = split(batch, 8)
+    dtypes: set[torch.dtype] = set()
+
+    def observer(event: str, index: int) -> None:
+        if event == "micro_end":
+            dtypes.update(p.grad.dtype for p in low.parameters() if p.grad is not None)
+
+    out: dict[str, Any] = {}
+    probe = GradientProbe(ddp.parameters())
+    with Accumulator(ddp, probe, accum_dtype="float32", observer=observer) as acc:
+        acc.step(window, models.mlp_loss, models.count_rows)
+        first = probe.seen
+        dtypes.clear()
+        acc.step(window, models.mlp_loss, models.count_rows)
+        out["second window dtypes"] = set(dtypes)
+        out["second window equal"] = all(torch.equal(a, b) for a, b in zip(probe.seen, first, strict=True))
+    out["hooks"] = [m for m in (ddp, low) if m._forward_pre_hooks]
+    out["grad_dtype"] = {p.grad_dtype for p in low.parameters()}
+    ddp.zero_grad(set_to_none=True)
+    models.mlp_loss(ddp, batch).backward()  # the user's own: DDP's average of bf16 gradients
+    out["plain"] = [p.grad.clone() for p in low.parameters()]
+    local = copy.deepcopy(low)
+    local.zero_grad(set_to_none=True)
+    models.mlp_loss(local, batch).backward()
+    out["local"] = [p.grad.clone() for p in local.parameters()]
+    later = []
+    for _ in range(2):  # after the closed one, then after a dropped one
+        seen = GradientProbe(ddp.parameters())
+        taker = Accumulator(ddp, seen, accum_dtype="float32")
+        taker.step(window, models.mlp_loss, models.count_rows)
+        later.append(all(torch.equal(a, b) for a, b in zip(seen.seen, first, strict=True)))
+        del taker
+        gc.collect()
+    out["later equal"] = later
+    busy = Accumulator(ddp, GradientProbe(ddp.parameters()), accum_dtype="float32")
+    try:
+        Accumulator(ddp, GradientProbe(ddp.parameters()), accum_dtype="float32")
+    except ConfigError as exc:
+        out["busy refusal"] = str(exc)
+    busy.close()
+    return out
+
+
+def test_ddp_windows_stay_wide_and_the_model_is_left_as_found() -> None:
+    ranks = values(run_ranks(_lifetime, timeout_s=120))
+    for rank in ranks:
+        assert rank["second window dtypes"] == {torch.float32}
+        assert rank["second window equal"]  # the same weights and window: the first's float32 sum
+        assert rank["hooks"] == [] and rank["grad_dtype"] == {torch.bfloat16}
+        assert {g.dtype for g in rank["plain"]} == {torch.bfloat16}
+        assert rank["later equal"] == [True, True]  # the hook taken over, reducing wide again
+        assert "close() that accumulator" in rank["busy refusal"]
+    # closed: the hook is DDP's average, g0 / 2 + g1 / 2 in bf16 (halving is exact; the one
+    # addition rounds once, rel 2**-8, as torch's bf16 addition of the same two values does)
+    for plain0, plain1, g0, g1 in zip(
+        ranks[0]["plain"], ranks[1]["plain"], ranks[0]["local"], ranks[1]["local"], strict=True
+    ):
+        assert torch.equal(plain0, plain1)
+        torch.testing.assert_close(plain0, g0 / 2 + g1 / 2, rtol=2**-8, atol=0)

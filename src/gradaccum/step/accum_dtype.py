@@ -19,7 +19,7 @@ The mechanism, per wrapper (torch 2.13):
   alone; a communication hook adds the float32 sum back, divides by the W ranks (as DDP's own
   reduction does) and all-reduces in float32: the ranks exchange the float32 *sum* (4 bytes per
   parameter instead of 2). After the backward ``.grad`` is the reduced float32 sum again, the same
-  on every rank. A model with its own communication hook is refused (DDP takes one hook).
+  on every rank. A model with another communication hook is refused (DDP takes one hook).
 - FSDP2 accumulates the unsharded gradient in ``MixedPrecisionPolicy.reduce_dtype`` when it differs
   from the compute dtype (``FSDPParam.to_accumulated_grad_if_needed``), reduce-scatters it in that
   dtype and rounds the shard once into the parameter's dtype. So FSDP2 needs no hook: the policy
@@ -29,10 +29,21 @@ The mechanism, per wrapper (torch 2.13):
 
 Parameters already as wide as ``accum_dtype`` (float32 LayerNorms of a bf16 model) are left alone;
 a parameter wider than it (float64) is refused: accumulating it in float32 would lose precision.
+
+Only while a window is open. The engine arms the wide sums when a window's accumulation starts,
+for the parameters trainable then (however ``loss_fn`` reaches them: ``model.body`` and
+``model.head`` called apart get float32 sums as a call of ``model`` does; a layer unfrozen later
+joins the next window), and every window ends by rounding ``.grad`` into the parameter's dtype and
+giving each ``grad_dtype`` back. No hook on the model: between windows, and after the accumulator
+is closed or dropped, the user's own backward accumulates as torch does. DDP's communication hook
+cannot be unregistered (torch 2.13): it holds the accumulator weakly and is DDP's plain average
+(all-reduce / W) outside an open window, and a later accumulator on the same model takes it over
+once the earlier one is closed or dropped.
 """
 
 # No ``from __future__ import annotations``: DDP reads the communication hook's annotations
 # (``bucket: GradBucket``) at registration and refuses strings.
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,74 +107,153 @@ def check_fsdp2_reduce_dtype(module: nn.Module, dtype: torch.dtype, policy: str)
                     )
 
 
-class WideGradients:
-    """``accum_dtype`` for the parameters narrower than it (one process and DDP).
+class _HookState:
+    """What DDP holds for the communication hook, for good (torch has no way to unregister one):
+    the process group and the :class:`WideGradients` it serves, held weakly and replaceable."""
 
-    The optimizer update calls :meth:`narrow` just before the optimizer step, the model's next
-    forward :meth:`widen` (a forward pre-hook), and the engine wraps its synchronizing backward with
-    :meth:`around_sync` (DDP).
+    __slots__ = ("__weakref__", "group", "owner")
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.owner: Callable[[], WideGradients | None] = lambda: None
+
+
+_HOOKED: weakref.WeakKeyDictionary[nn.Module, _HookState] = weakref.WeakKeyDictionary()
+"""The DDP modules that hold this module's hook: a later accumulator on the same model takes the
+hook over from a closed or dropped one (DDP accepts ``register_comm_hook`` once)."""
+
+
+def _wide_hook(state: _HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook: the wide sums' reduction while a window of a live accumulator is
+    open, else DDP's own average (all-reduce / W), so a model whose accumulator was closed or
+    dropped reduces as if the hook were not there."""
+    owner = state.owner()
+    if owner is not None and owner.armed:
+        return owner.reduce(state.group, bucket)
+    buffer: torch.Tensor = bucket.buffer()
+    buffer.div_(dist.world_size(state.group))
+    return dist.all_reduce_sum_future(buffer, state.group).then(lambda fut: fut.value()[0])
+
+
+def _hook_state(ddp: nn.Module) -> _HookState:
+    """The hook's state on ``ddp``: registered here the first time, taken over afterwards."""
+    state = _HOOKED.get(ddp)
+    if state is not None:
+        owner = state.owner()
+        if owner is not None and not owner.closed:
+            raise ConfigError(
+                "AccumConfig.accum_dtype under DDP: another accumulator with accum_dtype still holds this "
+                "model's communication hook (DDP takes one, for good). close() that accumulator (or "
+                "build it in a with-block) before building this one, or step with that one."
+            )
+        return state
+    state = _HookState(getattr(ddp, "process_group", None))
+    try:
+        ddp.register_comm_hook(state, _wide_hook)  # type: ignore[operator]
+    except RuntimeError as exc:
+        raise ConfigError(
+            "AccumConfig.accum_dtype under DDP reduces the float32 sum with its own "
+            f"communication hook, and DDP takes one: {exc}. Drop the model's hook "
+            "(bf16/fp16 compression hooks round what accum_dtype keeps) or accum_dtype."
+        ) from exc
+    _HOOKED[ddp] = state
+    return state
+
+
+class WideGradients:
+    """``accum_dtype`` for the parameters narrower than it (one process and DDP), one window at a time.
+
+    The engine opens each window with :meth:`start` (a part of its window, beside the noise meter
+    and BatchNorm's moments): the parameters trainable *then* (``requires_grad`` is read again every
+    window, so a layer unfrozen later is widened too) receive their gradients in ``accum_dtype``.
+    The window ends with :meth:`narrow` (the optimizer update, right before the optimizer step) or
+    :meth:`discard` (a skip or a failure, from ``zero_grad``): ``.grad`` rounded once into the
+    parameter's dtype and every ``grad_dtype`` set back to what it was. So nothing is left on the
+    model between windows: a backward of the user's own between steps, or after the accumulator is
+    closed or dropped, accumulates as torch does. Under DDP :meth:`around_sync` wraps the
+    synchronizing backward and the communication hook reduces the wide sums.
     """
 
-    def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        dtype: torch.dtype,
-        ddp: nn.Module | None,
-        model: nn.Module | None,
-    ) -> None:
-        self.params = list(params)
+    def __init__(self, model: nn.Module | None, dtype: torch.dtype, ddp: nn.Module | None) -> None:
+        self._model = model  # None: nothing to widen (unset, no narrower parameter, FSDP2's policy)
         self.dtype = dtype
+        self._live: list[torch.Tensor] = []  # the parameters widened in the open window
+        self._saved: list[torch.dtype | None] = []  # their grad_dtype before it
+        self._managed: set[int] = set()  # ids of _live: what the communication hook reduces wide
         self._stashed: dict[int, torch.Tensor] = {}  # a parameter's float32 sum, set aside for a sync
         self._reduced: dict[int, torch.Tensor] = {}  # its reduced float32 sum, from the hook
-        self._group: Any = None
         self._ddp = ddp is not None
+        self.closed = False
         self.reduced_bytes = 0  # what the communication hook has all-reduced, payload bytes
-        self._managed = {id(p) for p in self.params}
         if ddp is not None:
-            self._group = getattr(ddp, "process_group", None)
-            try:
-                ddp.register_comm_hook(self._group, self._hook)  # type: ignore[operator]
-            except RuntimeError as exc:
-                raise ConfigError(
-                    "AccumConfig.accum_dtype under DDP reduces the float32 sum with its own "
-                    f"communication hook, and DDP takes one: {exc}. Drop the model's hook "
-                    "(bf16/fp16 compression hooks round what accum_dtype keeps) or accum_dtype."
-                ) from exc
-        self._narrowed = True
-        self.widen()
-        if self.params and model is not None:  # the next window's first forward widens again
-            model.register_forward_pre_hook(self._before_forward)
+            state = _hook_state(ddp)
+            state.owner = weakref.ref(self)  # DDP keeps the state for good; it keeps this weakly
 
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if self._narrowed:
-            self.widen()
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters a window opened now would widen: trainable, floating, narrower than
+        ``accum_dtype``. Refuses a trainable one wider than it (as construction does)."""
+        if self._model is None or self.closed:
+            return []
+        return _narrow(list(self._model.parameters()), self.dtype)
+
+    @property
+    def active(self) -> bool:
+        """Whether a window may widen anything (else the engine leaves this part out)."""
+        return self._model is not None
+
+    @property
+    def armed(self) -> bool:
+        """Whether a window is open with gradients arriving wide."""
+        return bool(self._live)
 
     @property
     def buffer_bytes(self) -> int:
         """The bytes of the wide sums while a window accumulates (what replaces the narrow ``.grad``)."""
         return sum(p.numel() for p in self.params) * self.dtype.itemsize
 
-    def widen(self) -> None:
-        """Gradients arrive in ``accum_dtype`` from here on (a gradient already there is widened)."""
-        self._narrowed = False
-        dtype = self.dtype
-        for p in self.params:
-            if p.grad_dtype != dtype:
-                grad = p.grad
-                p.grad = None
-                p.grad_dtype = dtype
-                if grad is not None:
-                    p.grad = grad.to(dtype)
+    def start(self) -> None:
+        """Open a window: gradients of the parameters trainable now arrive in ``accum_dtype`` (a
+        gradient already there, such as a loss parameter's from gradient caching, is widened)."""
+        if self._live:
+            self.discard()  # an exit the step did not see left the last window open
+        self._live = self.params
+        self._managed = {id(p) for p in self._live}
+        self._saved = [p.grad_dtype for p in self._live]
+        self._widen()
 
-    def narrow(self) -> None:
-        """Round each wide sum once into its parameter's dtype: what every optimizer accepts."""
-        self._narrowed = True
-        for p in self.params:
+    def _widen(self) -> None:
+        dtype = self.dtype
+        for p in self._live:
             grad = p.grad
             p.grad = None
-            p.grad_dtype = p.dtype
+            p.grad_dtype = dtype
+            if grad is not None:
+                p.grad = grad.to(dtype)
+
+    def narrow(self) -> None:
+        """End the window: round each wide sum once into its parameter's dtype (what every
+        optimizer accepts) and give each parameter its ``grad_dtype`` back."""
+        for p, saved in zip(self._live, self._saved, strict=True):
+            grad = p.grad
+            p.grad = None
+            p.grad_dtype = saved
             if grad is not None:
                 p.grad = grad.to(p.dtype)
+        self._live, self._saved, self._managed = [], [], set()
+        self._stashed.clear()
+        self._reduced.clear()
+
+    def discard(self) -> None:
+        """A skipped or abandoned window ends like an applied one (``zero_grad`` has cleared the
+        gradients it clears; any other is kept, in its parameter's dtype)."""
+        self.narrow()
+
+    def close(self) -> None:
+        """The accumulator is closed: a window still open ends, and the communication hook
+        reduces as DDP does from now on."""
+        self.narrow()
+        self.closed = True
 
     def around_sync(self, backward: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
         """``backward`` for DDP's synchronizing backward: the wide sums set aside before it (the
@@ -173,7 +263,7 @@ class WideGradients:
             return backward
 
         def synchronizing_backward(contribution: torch.Tensor) -> Any:
-            for p in self.params:
+            for p in self._live:
                 grad = p.grad
                 p.grad = None
                 p.grad_dtype = p.dtype
@@ -189,7 +279,7 @@ class WideGradients:
     def _settle(self) -> None:
         """Each parameter's ``.grad``: its reduced wide sum (or, where the backward failed before
         the reduction, its sum as it was, for the engine to clear)."""
-        for p in self.params:
+        for p in self._live:
             key = id(p)
             wide = self._reduced.pop(key, None)
             stashed = self._stashed.pop(key, None)
@@ -200,8 +290,9 @@ class WideGradients:
             elif stashed is not None:
                 p.grad = stashed
 
-    def _hook(self, group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP's communication hook: all-reduce (the wide sums + this backward's gradients) / W."""
+    def reduce(self, group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The communication hook in an open window: all-reduce (the wide sums + this backward's
+        gradients) / W."""
         buffer: torch.Tensor = bucket.buffer()
         params: list[torch.Tensor] = bucket.parameters()
         world = dist.world_size(group)
@@ -245,15 +336,16 @@ def wide_gradients(
     ``kind``/``policy``/``layout``: the engine's."""
     name = accum_dtype_name(accum_dtype)  # AccumConfig stores the name; a dtype is named here too
     if name is None:
-        return WideGradients([], torch.float32, None, None)
+        return WideGradients(None, torch.float32, None)
     dtype = accum_dtype_of(name)
     synced = sync_module(model)  # the DDP/FSDP module, also inside a forward wrapper
     if kind == "fsdp2":
         check_fsdp2_reduce_dtype(synced, dtype, policy)
-        return WideGradients([], dtype, None, None)
-    narrow = _narrow(list(model.parameters()), dtype)
-    if not narrow:
-        return WideGradients([], dtype, None, None)
+        return WideGradients(None, dtype, None)
+    params = list(model.parameters())
+    narrow = _narrow(params, dtype)  # refuses a trainable parameter wider than accum_dtype
+    if not any(p.is_floating_point() and p.dtype.itemsize < dtype.itemsize for p in params):
+        return WideGradients(None, dtype, None)
     where = (
         "a pipeline schedule (its stages' backwards and reductions run inside the schedule)"
         if pipeline
@@ -263,10 +355,13 @@ def wide_gradients(
         if kind == "fsdp"
         else None
     )
+    if where is not None and not narrow:  # frozen narrower parameters only: nothing to widen there
+        return WideGradients(None, dtype, None)
     if where is not None:
         raise ConfigError(
             f"AccumConfig.accum_dtype={name!r} is not supported with {where}: the float32 "
             "sum could not reach the optimizer unchanged. Use one process, DDP, or FSDP2 with "
             "MixedPrecisionPolicy(reduce_dtype=torch.float32), or leave accum_dtype=None."
         )
-    return WideGradients(narrow, dtype, synced if kind == "ddp" else None, model)
+    # every window widens the parameters trainable then: a frozen one may be unfrozen later
+    return WideGradients(model, dtype, synced if kind == "ddp" else None)

@@ -21,6 +21,7 @@ from gradaccum.step.checks import check_loss, unmean
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.face import EngineFace
+from gradaccum.step.lifetime import closed_error
 from gradaccum.step.noise import NoiseScale
 from gradaccum.step.plain import plain_window
 from gradaccum.step.post_scaling import PostScalingEngine
@@ -146,6 +147,8 @@ class Accumulator(EngineFace):
         (:mod:`gradaccum.step.stream`); ``length``: its number of micro-batches, when known (the
         step then reads none ahead, and takes exactly that many from a longer iterator)."""
         engine = self._engine
+        if engine.closed:  # before any path touches the gradients
+            raise closed_error("Accumulator")
         if engine.config.scaling == "post":
             return self._step_post(window, loss_fn, count_fn, declared_length(window, length))
         if length is not None:

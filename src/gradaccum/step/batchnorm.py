@@ -26,6 +26,10 @@ its estimate is the pooled one, not that of a whole-window forward:
   mid-window) restore the snapshot: the buffers stay as they were before the window, as the
   parameters do.
 
+The hooks are registered when the accumulator is built and removed by ``close()`` (or when the
+part is collected): torch.compile does not see module hooks added after it traced the module
+(:mod:`gradaccum.step.lifetime`); outside an open window they return at once.
+
 Recompute under activation checkpointing runs the forward again inside the backward; the hook
 skips forwards made while the autograd engine runs (the test FSDP2 and ``ModuleTracker`` use), so
 it does not count. Each forward still *normalizes* with its own micro-batch's statistics: only the
@@ -44,11 +48,13 @@ bounds the cancellation: the variance's relative error is about 1e-16 (1 + (mu -
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from gradaccum.errors import ConfigError
 
@@ -129,18 +135,20 @@ class WindowBatchNorm:
                 seen.add(id(module))
                 self.layers.append(_Layer(module))
         self.open = False
-        self._handles = [layer.module.register_forward_pre_hook(self._hook(layer)) for layer in self.layers]
+        # from construction to close(), holding this part weakly (step/lifetime.py says why not
+        # per window): dropped without close(), the part takes its hooks off the model
+        owner = weakref.ref(self)
+        self._handles = [
+            layer.module.register_forward_pre_hook(_hook(owner, index))
+            for index, layer in enumerate(self.layers)
+        ]
+        self._finalizer = weakref.finalize(self, _remove, self._handles)
 
-    def _hook(self, layer: _Layer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
-        def record(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not self.open or not module.training or not module.track_running_stats:
-                return
-            if module.running_mean is None or not args or _in_backward():
-                return
-            self._record(layer, args[0])
-
-        # eager: the bookkeeping holds Python ints and lists that a compiled graph cannot
-        return torch.compiler.disable(record)
+    def close(self) -> None:
+        """The accumulator is closed: a window still open is discarded (the buffers go back to
+        its start) and the hooks come off the modules."""
+        self.discard()
+        self._finalizer()
 
     def _record(self, layer: _Layer, x: torch.Tensor) -> None:
         module = layer.module
@@ -240,6 +248,26 @@ class WindowBatchNorm:
                 continue
             s1, s2 = block[1 : 1 + channels], block[1 + channels :]
             layer.pooled = (count, shift + s1 / count, (s2 - s1 * s1 / count).clamp(min=0))
+
+
+def _hook(owner: weakref.ref[WindowBatchNorm], index: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+    """The forward pre-hook of the part's ``index``-th layer; it holds the part weakly."""
+
+    def record(module: nn.Module, args: tuple[Any, ...]) -> None:
+        part = owner()
+        if part is None or not part.open or not module.training or not module.track_running_stats:
+            return
+        if module.running_mean is None or not args or _in_backward():
+            return
+        part._record(part.layers[index], args[0])
+
+    # eager: the bookkeeping holds Python ints and lists that a compiled graph cannot
+    return torch.compiler.disable(record)
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _update(module: nn.modules.batchnorm._BatchNorm, n: int, mean: torch.Tensor, m2: torch.Tensor) -> None:

@@ -29,10 +29,9 @@ its update :mod:`gradaccum.step.update`; the objects refused at construction are
    unscale, clip, step, schedule and hooks, once.
 
 So a DDP update costs two small all-reduces besides the gradients' own, and one process reads the device
-once. ``noise_scale=True`` (:mod:`gradaccum.step.noise`) adds parameter hooks that read each micro-batch's
-gradient and, under DDP with the agreement on, one small all-reduce of its sums in phase 4; no host read.
-A failure on one rank stops every rank at an agreement point instead of leaving the others in a
-collective: :mod:`gradaccum.step.agreement` says where, and what that cannot cover.
+once. What a window leaves on the model, and ``close()``: :mod:`gradaccum.step.lifetime`. A failure on
+one rank stops every rank at an agreement point instead of leaving the others in a collective:
+:mod:`gradaccum.step.agreement` says where, and what that cannot cover.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from gradaccum.distributed.sync import (
     sync_kind,
     sync_module,
 )
-from gradaccum.errors import ConfigError, CountError
+from gradaccum.errors import CountError
 from gradaccum.mesh.reduction import averaging_factor
 from gradaccum.mesh.step import (
     check_sync_policy,
@@ -83,8 +82,9 @@ from gradaccum.step.compiled import CompileCounter
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.external import ExternalStep
 from gradaccum.step.ledger import Ledger
+from gradaccum.step.lifetime import closed_error
 from gradaccum.step.meetings import Meetings
-from gradaccum.step.noise import NoiseScale, noise_meter
+from gradaccum.step.noise import NoiseScale, noise_meter, noise_scale_of
 from gradaccum.step.norms import present_grads, uniform_plain
 from gradaccum.step.objects import check_objects, refuse_static_graph, refuse_unwrapped
 from gradaccum.step.settle import WindowSettler
@@ -229,17 +229,14 @@ class WindowEngine:
         )
         # DDP that broadcasts buffers in a window's first forward (the same on every rank)
         self._broadcasts = broadcasts_buffers(self._synced, self.kind)
-        self._windowed = [p for p in (self._noise, window_batchnorm(self)) if p is not None]  # per window
+        wide = self.update.wide if self.update.wide.active else None  # per window: step/lifetime.py
+        self._windowed = [p for p in (self._noise, window_batchnorm(self), wide) if p is not None]
+        self.closed = False
 
     @property
     def noise_scale(self) -> NoiseScale:
         """The gradient noise scale so far (``noise_scale=True``); see :mod:`gradaccum.step.noise`."""
-        if self._noise is None:
-            raise ConfigError(
-                "this accumulator does not measure the gradient noise scale; build it with "
-                "noise_scale=True (AccumConfig(noise_scale=True))"
-            )
-        return self._noise.result()
+        return noise_scale_of(self._noise)
 
     # -- counters -------------------------------------------------------------------------------
 
@@ -272,6 +269,8 @@ class WindowEngine:
     def open(self, window: Iterable[Any]) -> tuple[list[Any], LocalFailure | None]:
         """Materialize the window. Under torch.distributed a failure is returned, not raised, so
         that :meth:`count` carries it to the other ranks instead of leaving them waiting there."""
+        if self.closed:
+            raise closed_error("accumulator")
         self._distributed = dist.is_distributed(self.dp_group)
         self._compiles.start()
         failure: LocalFailure | None = None
@@ -585,6 +584,12 @@ class WindowEngine:
         if self._params_outside_optimizer:  # e.g. frozen or separately optimized parameters
             for p in self._params_outside_optimizer:
                 p.grad = None
+
+    def close(self) -> None:
+        """Leave the model as found (:mod:`gradaccum.step.lifetime`); idempotent."""
+        self.closed = True
+        for part in self._windowed:
+            part.close()
 
     def emit(self, event: str, index: int) -> None:
         if self.observer is not None:

@@ -1,4 +1,5 @@
-"""What every accumulator shows of the engine it composes: its objects, settings and counters.
+"""What every accumulator shows of the engine it composes: its objects, settings and counters, and
+``close()`` (``with Accumulator(...) as acc:``).
 
 A read-only face over :class:`~gradaccum.step.engine.WindowEngine`: the accumulators inherit these
 public properties (and ``state_dict``), never the engine's phases, which they call on ``_engine``.
@@ -7,7 +8,7 @@ public properties (and ``state_dict``), never the engine's phases, which they ca
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -17,11 +18,26 @@ from gradaccum.step.engine import WindowEngine
 
 __all__ = ["EngineFace"]
 
+_Face = TypeVar("_Face", bound="EngineFace")
+
 
 class EngineFace:
     """The public, read-only attributes of an accumulator (settings live in the frozen config)."""
 
     _engine: WindowEngine
+
+    def close(self) -> None:
+        """Give the model back as found: every hook the step registered is removed, every
+        ``grad_dtype`` restored, a window left open (an interrupted step) ended with its ``.grad``
+        in the parameters' dtype; a later ``step`` raises. Idempotent; also the end of a
+        ``with`` block. See :mod:`gradaccum.step.lifetime`."""
+        self._engine.close()
+
+    def __enter__(self: _Face) -> _Face:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (applied, skipped, consecutive skips) and, with ``noise_scale=True``, the

@@ -33,8 +33,9 @@ What the step measures, without a copy of any gradient. Micro-batch j's backward
 Delta_j = c s_j to the gradients, c = sigma W / N (sigma the GradScaler's scale, W / N the step's
 scale; :mod:`gradaccum.step.engine`). A hook on every parameter (``Tensor.register_hook``, which
 sees the gradient a backward *adds*, before it is accumulated and before DDP's reducer reads it)
-records the norm of its part of Delta_j; after the backward the squared norms add up to
-|Delta_j|^2. After the window every rank holds sigma G_N (the point of the step). So
+records the norm of its part of Delta_j (registered for the window's micro-batches only and
+removed with the window: :mod:`gradaccum.step.lifetime`); after the backward the squared norms add
+up to |Delta_j|^2. After the window every rank holds sigma G_N (the point of the step). So
 
     A = (1/N) sum_j |Delta_j|^2 / (c^2 n_j) = N P / (sigma^2 W^2),   P = sum_j |Delta_j|^2 / n_j,
     b = |grad|^2 / sigma^2,
@@ -77,7 +78,7 @@ from gradaccum.errors import ConfigError
 from gradaccum.fielddocs import document_fields
 from gradaccum.values import require_int
 
-__all__ = ["EMA_BETA", "NoiseScale", "NoiseScaleMeter", "noise_meter", "window_estimate"]
+__all__ = ["EMA_BETA", "NoiseScale", "NoiseScaleMeter", "noise_meter", "noise_scale_of", "window_estimate"]
 
 EMA_BETA = 0.99
 """Decay of the moving averages: ~100 windows remembered (an effective sample of up to ~199)."""
@@ -171,6 +172,16 @@ def window_estimate(
     return n * (small - big) / (k - 1), (k * big - small) / (k - 1)
 
 
+def noise_scale_of(meter: NoiseScaleMeter | None) -> NoiseScale:
+    """The estimate so far; a :class:`ConfigError` for an accumulator built without the meter."""
+    if meter is None:
+        raise ConfigError(
+            "this accumulator does not measure the gradient noise scale; build it with "
+            "noise_scale=True (AccumConfig(noise_scale=True))"
+        )
+    return meter.result()
+
+
 def noise_meter(
     model: nn.Module, params: Sequence[torch.Tensor], kind: str, *, device: torch.device, uniform: bool
 ) -> NoiseScaleMeter:
@@ -190,8 +201,8 @@ class NoiseScaleMeter:
     """Records each micro-batch's squared gradient norm through parameter hooks and keeps the
     moving averages; the :class:`~gradaccum.step.engine.WindowEngine` drives it.
 
-    The hooks read and never change a gradient, and are armed only from :meth:`start` to
-    :meth:`window_sums` (or :meth:`discard`): outside a step's micro-batches they return at once.
+    The hooks read and never change a gradient, and are on the parameters only from :meth:`start`
+    to :meth:`window_sums` (or :meth:`discard`): between windows the model holds none of them.
     """
 
     def __init__(
@@ -214,13 +225,8 @@ class NoiseScaleMeter:
         self._armed = False
         self._norms: list[torch.Tensor] = []  # this micro-batch's, one per parameter reached
         self._window: list[torch.Tensor] = []  # |Delta_j|^2 of each micro-batch of the window
-        # a gradient has its parameter's dtype: the norm runs in it (allocating nothing of its
-        # size), except float16, whose norm would overflow past 65504 and reduces in float32
-        self._handles = [
-            p.register_hook(self._record_wide if p.dtype == torch.float16 else self._record)
-            for p in params
-            if p.requires_grad
-        ]
+        self._params = list(params)
+        self._handles: list[Any] = []  # the hooks of the open window (step/lifetime.py)
         self._mean_trace = 0.0
         self._mean_grad_sq = 0.0
         self._samples = 0
@@ -238,9 +244,25 @@ class NoiseScaleMeter:
             self._norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
 
     def start(self) -> None:
-        """Arm the hooks for a window's micro-batches."""
+        """Hook the parameters trainable now for a window's micro-batches. A gradient has its
+        parameter's dtype: the norm runs in it (allocating nothing of its size), except float16,
+        whose norm would overflow past 65504 and reduces in float32."""
+        self._remove()
         self._norms, self._window = [], []
+        self._handles = [
+            p.register_hook(self._record_wide if p.dtype == torch.float16 else self._record)
+            for p in self._params
+            if p.requires_grad
+        ]
         self._armed = True
+
+    def _remove(self) -> None:
+        """Disarm, and take the hooks off the parameters: nothing of the meter is on them
+        between windows."""
+        self._armed = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def fold(self) -> None:
         """After a micro-batch's backward: its |Delta_j|^2, summed over parameters in float64."""
@@ -255,9 +277,13 @@ class NoiseScaleMeter:
         self._window.append(torch.dot(v, v))
 
     def discard(self) -> None:
-        """The window was abandoned or skipped: disarm and forget its micro-batches."""
-        self._armed = False
+        """The window was abandoned or skipped: unhook and forget its micro-batches."""
+        self._remove()
         self._norms, self._window = [], []
+
+    def close(self) -> None:
+        """The accumulator is closed: a window still open is discarded."""
+        self.discard()
 
     def window_sums(
         self,
@@ -274,7 +300,7 @@ class NoiseScaleMeter:
         the increments its backwards added (c s_j) into pre-scaling's (W/N s_j) exactly as the
         gradients are turned, so P is the same figure in both modes.
         """
-        self._armed = False
+        self._remove()
         squares, self._window = self._window, []
         device = self.device
         n = torch.stack(

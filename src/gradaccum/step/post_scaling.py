@@ -25,6 +25,7 @@ from gradaccum.step.checks import as_count, check_not_empty, check_window_shapes
 from gradaccum.step.config import StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.ledger import Ledger
+from gradaccum.step.lifetime import closed_error
 from gradaccum.step.norms import clip_grads_, scale_grads_
 from gradaccum.step.stream import (
     DeviceStepResult,
@@ -117,6 +118,8 @@ class PostScalingEngine(WindowEngine):
         the fingerprint, so every rank refuses together what would hang. ``length``: the window's
         declared number of micro-batches, or ``None`` to read one ahead.
         """
+        if self.closed:
+            raise closed_error("accumulator")
         self._distributed = distributed = dist.is_distributed(self.dp_group)
         self._compiles.start()
         model, kind = self.model, self.kind
@@ -341,6 +344,7 @@ class PostScalingEngine(WindowEngine):
         bad = (torch.stack(terms) != 0).any()
         if config.max_grad_norm is not None and norm is not None:
             clip_grads_(params, config.max_grad_norm, norm)
+        self.update.wide.narrow()  # accum_dtype: rounded once, the window ended (as update.apply does)
         optimizer: Any = self.optimizer
         optimizer.found_inf = bad.to(torch.float32)
         try:
