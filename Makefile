@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint docs setup clean
+.PHONY: run test lint docs setup clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python docs/generate.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+# every CUDA path the CPU suite never runs (the cuda-marked tests, CUDA memory against the tensor-bytes
+# model, fp16 + GradScaler and bf16 autocast through the step, DDP over NCCL on every device), one
+# table; on a machine without a CUDA device it says so and exits 0
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs site docs/commands docs/quickstart.md docs/reference.md

@@ -8,12 +8,14 @@ global count of the window and DDP's averaging by W / N, and the update equals t
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gradaccum
+from gradaccum.distributed.process_exit import exit_process
 
 
 def batch_of(seed: int, rows: int = 8, length: int = 12) -> dict[str, torch.Tensor]:
@@ -34,7 +36,7 @@ def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor
     return gradaccum.summed_cross_entropy(model(mb["input_ids"]), mb["labels"])
 
 
-def main() -> None:
+def main() -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
@@ -64,8 +66,15 @@ def main() -> None:
         print(f"largest relative difference from the full batch: {error:.1e}")
     dist.destroy_process_group()
     if error > 1e-12:  # float64: only the summation order differs
-        raise SystemExit(f"rank {rank}: the accumulated update differs from the full batch by {error:.1e}")
+        print(
+            f"rank {rank}: the accumulated update differs from the full batch by {error:.1e}", file=sys.stderr
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    # torch 2.13's gloo threads outlive destroy_process_group (DDP holds the group from C++), and one
+    # still releasing a collective while Python finalizes aborts a finished run (SIGABRT, "terminate
+    # called without an active exception"): end after the atexit handlers and a flush, not finalization
+    exit_process(main(), held_process_group=True)

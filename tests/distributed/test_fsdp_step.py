@@ -88,3 +88,39 @@ def test_fsdp2_sync_context_restores_the_previous_state() -> None:
     for seen in values(run_ranks(_sync_flags_after_contexts, timeout_s=60)):
         on, off = (True, True), (False, False)
         assert seen == [on, off, on, off, (True, False), (True, False)]
+
+
+def _factor_set_after_construction(rank: int, world: int, where: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = models.gpt()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    # after the accumulator was built: the reduce-scatter now sums (1.0) instead of averaging over 2
+    owners = [m for m in model.modules() if isinstance(m, FSDPModule)] if where == "every" else [model]
+    for module in owners:
+        module.set_gradient_divide_factor(1.0)
+    local = rank_slice(models.gpt_batch(8, seed=21), [0, 5, 8], rank)
+    result = acc.step(split(local, sizes=EQUAL_K[rank]), models.gpt_loss, models.tokens)
+    grads = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
+    return {"grads": grads, "applied": result.applied}
+
+
+def test_fsdp2_divide_factor_set_after_construction_is_read_by_the_next_window() -> None:
+    # the scale read at construction (F = 2) against a reduction that now sums made the update twice
+    # the full batch's (relative error 1.0); read per window, only the summation order differs
+    outcomes = values(run_ranks(_factor_set_after_construction, "every", timeout_s=120))
+    want = full_batch_grads(models.gpt(), models.gpt_batch(8, seed=21), models.gpt_loss, models.tokens)
+    for outcome in outcomes:
+        assert outcome["applied"]
+        assert max_rel_err(outcome["grads"], want) < 1e-10
+
+
+def test_fsdp2_divide_factor_set_on_the_root_only_after_construction_is_refused_on_every_rank() -> None:
+    outcomes = run_ranks(_factor_set_after_construction, "root", timeout_s=120)
+    assert [o.error_type for o in outcomes] == ["ConfigError", "ConfigError"]
+    assert all("divide by different factors" in o.error and "blocks.0" in o.error for o in outcomes)

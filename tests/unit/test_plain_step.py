@@ -10,6 +10,7 @@ import torch
 
 from gradaccum import Accumulator, LossError, split
 from gradaccum.step.plain import PlainWindow
+from gradaccum.step.window import CastScale, WindowCount
 from tests.helpers import models
 from tests.helpers.reference import params_of
 
@@ -115,3 +116,21 @@ def test_a_feature_that_needs_the_window_takes_the_full_path(settings: dict, pla
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings)
     acc.step(split(models.mlp_batch(4, seed=1), micro_batch=2), models.mlp_loss, models.count_rows)
     assert plain_calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_a_host_scale_has_the_bits_of_the_device_scale(dtype: torch.dtype) -> None:
+    """Int counts on one process give W/N on the host (no device op); each dtype's scale must be
+    the tensor path's to the bit: 1/N and its product with W are one correctly rounded float64
+    operation each on both paths, and the cast to a narrow dtype rounds the same float64 once."""
+    for n in [*range(0, 300), 997, 4_096, 12_345, 1_000_003, 2**40 + 7]:
+        for factor in (1.0, 2.0, 3.0, 6.0):
+            global_count = torch.tensor(float(n), dtype=torch.float64)
+            counted = WindowCount([n], global_count, global_count, n, None, 1, factor)
+            host = counted.host_scale()
+            assert host is not None
+            device_scale = CastScale(counted.scale()).to(dtype)
+            host_scale = CastScale(host, torch.device("cpu")).to(dtype)
+            assert host_scale.dtype == dtype and host_scale.shape == ()
+            assert torch.equal(host_scale, device_scale), (n, factor)
+    assert WindowCount([], global_count, global_count, None, None, 1, 1.0).host_scale() is None

@@ -30,15 +30,12 @@ from gradaccum.distributed import dist
 from gradaccum.distributed.sync import SyncKind, sync_module
 from gradaccum.errors import ConfigError
 
-__all__ = ["averaging_factor", "clip_mesh_grads_", "local_squares"]
+__all__ = ["DivideFactor", "averaging_factor", "clip_mesh_grads_", "local_squares"]
 
 
-def _group_divisor(group: object) -> float | None:
-    """What one FSDP2 parameter group's reduction divides by: the factor set on it with
-    ``set_gradient_divide_factor``, else shards x replicas of its mesh (None: not readable)."""
-    factor = getattr(group, "gradient_divide_factor", None)
-    if factor is not None:
-        return float(factor)
+def _mesh_divisor(group: object) -> float | None:
+    """What one FSDP2 parameter group's reduction divides by when no factor is set on it:
+    shards x replicas of its mesh (None: not readable)."""
     info = getattr(group, "mesh_info", None)
     shards = getattr(info, "shard_mesh_size", None)
     if shards is None:
@@ -46,50 +43,81 @@ def _group_divisor(group: object) -> float | None:
     return float(shards * getattr(info, "replicate_mesh_size", 1))
 
 
-def _fsdp2_divisor(model: nn.Module) -> float | None:
-    """The divisor of FSDP2's gradient reductions, read where each parameter group reduces.
+class DivideFactor:
+    """F, read again wherever a window scales: what the model's gradient reductions divide by.
 
-    FSDP2 has no public getter (torch 2.13): the setter writes ``gradient_divide_factor`` on the
-    parameter groups of the one module it is called on, *not* on the modules sharded inside it,
-    so ``model.set_gradient_divide_factor(1.0)`` on the root leaves the blocks averaging. One
-    scale F/N serves every parameter, so groups that divide by different factors are refused,
-    naming the modules (torchtitan sets the factor on every ``FSDPModule``)."""
-    divisors: dict[str, float | None] = {}
-    for name, sub in model.named_modules():
-        get_state = getattr(sub, "_get_fsdp_state", None)
-        groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
-        for group in groups or ():
-            divisors[name or "<root>"] = _group_divisor(group)
-    found = set(divisors.values())
-    if len(found) > 1:
-        by_factor: dict[str, list[str]] = {}
-        for name, value in divisors.items():
-            by_factor.setdefault(str(value), []).append(name)
-        shown = "; ".join(f"{', '.join(names)}: divides by {f}" for f, names in by_factor.items())
-        raise ConfigError(
-            f"the FSDP2 modules' gradient reductions divide by different factors ({shown}), so no "
-            "one scale F/N makes every parameter's gradient the full batch's. "
-            "set_gradient_divide_factor is not recursive in torch 2.13: call it on every FSDPModule "
-            "(for m in model.modules(): if isinstance(m, FSDPModule): m.set_gradient_divide_factor(f)), "
-            "or on none."
-        )
-    return next(iter(found)) if found else None
+    DDP's group and a plain module's 1 are fixed when the accumulator is built. FSDP2's is not:
+    ``FSDPModule.set_gradient_divide_factor`` may be called at any time, and it writes
+    ``gradient_divide_factor`` on the parameter groups, which the reduce-scatter reads in each
+    synchronizing backward. So the groups (fixed by ``fully_shard``) are found once, here, and
+    each :meth:`read` takes their factors again: a few attribute reads per window, no walk over
+    the modules. FSDP2 has no public getter (torch 2.13), hence the attribute.
+
+    The setter is not recursive: it writes the groups of the one module it is called on, *not*
+    those of the modules sharded inside it, so ``model.set_gradient_divide_factor(1.0)`` on the
+    root leaves the blocks averaging. One scale F/N serves every parameter, so groups that divide
+    by different factors are refused, naming the modules (torchtitan sets the factor on every
+    ``FSDPModule``).
+    """
+
+    __slots__ = ("_fixed", "_groups")
+
+    def __init__(self, model: nn.Module, kind: SyncKind, data_size: int) -> None:
+        """``data_size``: ranks holding different tokens, the fallback where the wrapper does not say."""
+        self._fixed: float | None = None
+        self._groups: list[tuple[str, object, float]] = []
+        if kind == "local":
+            self._fixed = 1.0
+            return
+        owner = sync_module(model)
+        if kind == "ddp":
+            self._fixed = float(dist.world_size(getattr(owner, "process_group", None)))
+            return
+        if kind == "fsdp2":
+            for name, sub in owner.named_modules():
+                get_state = getattr(sub, "_get_fsdp_state", None)
+                groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
+                for group in groups or ():
+                    divisor = _mesh_divisor(group)
+                    self._groups.append(
+                        (name or "<root>", group, float(data_size) if divisor is None else divisor)
+                    )
+        if not self._groups:
+            self._fixed = float(data_size)
+        self.read()  # modules that divide by different factors are refused at construction already
+
+    @property
+    def factor(self) -> float:
+        """F as the model's reductions will divide in the next synchronizing backward (read now)."""
+        return self.read()
+
+    def read(self) -> float:
+        """F as the model's reductions will divide in the next synchronizing backward."""
+        if self._fixed is not None:
+            return self._fixed
+        found: dict[float, list[str]] = {}
+        for name, group, default in self._groups:
+            factor = getattr(group, "gradient_divide_factor", None)
+            found.setdefault(default if factor is None else float(factor), []).append(name)
+        if len(found) > 1:
+            shown = "; ".join(f"{', '.join(names)}: divides by {f}" for f, names in found.items())
+            raise ConfigError(
+                f"the FSDP2 modules' gradient reductions divide by different factors ({shown}), so no "
+                "one scale F/N makes every parameter's gradient the full batch's. "
+                "set_gradient_divide_factor is not recursive in torch 2.13: call it on every FSDPModule "
+                "(for m in model.modules(): if isinstance(m, FSDPModule): m.set_gradient_divide_factor(f)), "
+                "or on none."
+            )
+        return next(iter(found))
 
 
 def averaging_factor(model: nn.Module, kind: SyncKind, data_size: int) -> float:
-    """F: what the model's gradient reductions divide the summed gradient by (see the module doc).
+    """F: what the model's gradient reductions divide the summed gradient by (see the module doc),
+    read now; :class:`DivideFactor` reads it again for each window.
 
     ``data_size``: ranks holding different tokens, the fallback where the wrapper does not say.
     """
-    if kind == "local":
-        return 1.0
-    owner = sync_module(model)
-    if kind == "ddp":
-        return float(dist.world_size(getattr(owner, "process_group", None)))
-    if kind == "fsdp2":
-        divisor = _fsdp2_divisor(owner)
-        return float(data_size) if divisor is None else divisor
-    return float(data_size)
+    return DivideFactor(model, kind, data_size).read()
 
 
 def _holders(grad: torch.Tensor, group_size: int) -> int:

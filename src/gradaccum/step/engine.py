@@ -54,7 +54,7 @@ from gradaccum.distributed.sync import (
     sync_module,
 )
 from gradaccum.errors import CountError
-from gradaccum.mesh.reduction import averaging_factor
+from gradaccum.mesh.reduction import DivideFactor
 from gradaccum.mesh.step import (
     check_sync_policy,
     layout_for_step,
@@ -177,9 +177,8 @@ class WindowEngine:
         # the W of W/N, and the ranks that hold the same tokens (whose sums count each unit once)
         if external is None:
             refuse_unwrapped(model, self.kind, data_ranks)
-            self.factor = averaging_factor(self._synced, self.kind, data_ranks)
-        else:  # the engine that reduces the gradients says what its reduction divides by
-            self.factor = external.factor
+        divide = DivideFactor(self._synced, self.kind, data_ranks) if external is None else external
+        self._divide: DivideFactor | ExternalStep = divide
         self._count_replicas = self.layout.tp * self.layout.pp if self.layout else 1
         self._policy = check_sync_policy(config, self.kind, self.layout)
         # the ranks' models must match, but a pipeline's stages hold different parts of it
@@ -232,6 +231,11 @@ class WindowEngine:
         wide = self.update.wide if self.update.wide.active else None  # per window: step/lifetime.py
         self._windowed = [p for p in (self._noise, window_batchnorm(self), wide) if p is not None]
         self.closed = False
+
+    @property
+    def factor(self) -> float:
+        """F, the W of W/N, read where each window scales (FSDP2's may be set after construction)."""
+        return self._divide.factor
 
     @property
     def noise_scale(self) -> NoiseScale:

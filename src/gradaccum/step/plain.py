@@ -79,9 +79,13 @@ class PlainWindow:
         check_not_empty(len(micro_batches))
         counts = [as_count(count_fn(mb), i) for i, mb in enumerate(micro_batches)]
         local_count, min_count = sum_counts(counts, engine.device)
-        counted = WindowCount(counts, local_count, local_count, None, min_count, 1, engine.factor)
+        # int counts only (no tensor's smallest to read): N is on the host, and so is W/N
+        host_count = sum(c for c in counts if isinstance(c, int)) if min_count is None else None
+        counted = WindowCount(counts, local_count, local_count, host_count, min_count, 1, engine.factor)
         engine.zero_grad()
-        scale = CastScale(counted.scale())  # each micro-batch adds sum_t l_t / N
+        host_scale = counted.host_scale()
+        # each micro-batch adds sum_t l_t / N
+        scale = CastScale(counted.scale()) if host_scale is None else CastScale(host_scale, engine.device)
         model, backward, emit, mean, observed = (
             engine.model,
             engine.backward,

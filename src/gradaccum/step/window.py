@@ -78,6 +78,14 @@ class WindowCount:
         inverse = torch.reciprocal(self.global_count.clamp(min=1))
         return inverse if self.factor == 1 else inverse.mul_(self.factor)
 
+    def host_scale(self) -> float | None:
+        """:meth:`scale` as a Python float when N is known on the host (one process, int counts):
+        the same float64 operations, so the same bits, and no device op; else ``None``."""
+        if self.global_host is None:
+            return None
+        inverse = 1.0 / max(self.global_host, 1)
+        return inverse if self.factor == 1 else inverse * self.factor
+
     def post_factor(self) -> torch.Tensor | float | None:
         """Post-scaling's W/(N c): what turns the gradients its backwards left into pre-scaling's;
         a Python float when N and c are both on the host (the same float64 operations as
@@ -95,12 +103,16 @@ class WindowCount:
 
 class CastScale:
     """W/N, computed in float64 once per window, cast once to each dtype a loss has (a window's
-    losses usually share one): a float64 model multiplies by the full-precision scale."""
+    losses usually share one): a float64 model multiplies by the full-precision scale.
 
-    __slots__ = ("_casts", "_scale")
+    ``scale`` may be a Python float (:meth:`WindowCount.host_scale`); each dtype's 0-dim tensor is
+    then filled from it on ``device``, rounded once from float64 as a tensor's cast rounds."""
 
-    def __init__(self, scale: torch.Tensor) -> None:
+    __slots__ = ("_casts", "_device", "_scale")
+
+    def __init__(self, scale: torch.Tensor | float, device: torch.device | None = None) -> None:
         self._scale = scale
+        self._device = device
         self._casts: dict[torch.dtype, torch.Tensor] = {}
 
     def to(self, dtype: torch.dtype) -> torch.Tensor:
@@ -108,7 +120,12 @@ class CastScale:
         return cast if cast is not None else self._cast(dtype)
 
     def _cast(self, dtype: torch.dtype) -> torch.Tensor:
-        cast = self._casts[dtype] = self._scale.to(dtype)
+        scale = self._scale
+        if isinstance(scale, float):
+            cast = torch.full((), scale, dtype=dtype, device=self._device)
+        else:
+            cast = scale.to(dtype)
+        self._casts[dtype] = cast
         return cast
 
 
