@@ -80,8 +80,8 @@ def _pair(a: str, b: str) -> tuple[str, str]:
 def _input(feature: str, given: str) -> tuple[str, str]:
     if feature in ("compile", "ddp", "external-step") or given == "loss_fn-compiled":
         return "open", "needs the compiled / two-process / DeepSpeed harness"
-    if feature == "token-budget" and given in ("tuple", "dataclass"):
-        return "refused", "PlanError: batch (split_by_tokens reads a mapping's attention_mask)"
+    if feature == "token-budget" and given == "tuple":
+        return "refused", "PlanError: batch (split_by_tokens reads a named attention_mask)"
     if feature == "gradient-cache" and given == "loss_fn-submodules":
         return "n/a", "CachedAccumulator's encode_fn is the user's function: it may call anything"
     return "exact", ""

@@ -176,29 +176,7 @@ REFUSED_CELLS = [c for c in cells() if c.outcome == "refused" and c.row in RUN a
 REFUSED_INPUTS = [c for c in cells() if c.outcome == "refused" and c.col not in RUN]
 
 
-KNOWN = {
-    ("moe-exact", "batchnorm-window"): "the routing pass moves BatchNorm's running statistics (branch moe)",
-    ("moe-exact", "BatchEncoding"): "the balance's mask is read from dicts only (branch inputs)",
-    ("moe-lagged", "BatchEncoding"): "the balance's mask is read from dicts only (branch inputs)",
-    ("moe-micro-batch", "BatchEncoding"): "the balance's mask is read from dicts only (branch inputs)",
-    (
-        "accum_dtype",
-        "loss_fn-submodules",
-    ): "accum_dtype widens in a forward pre-hook of the model (branch hooks)",
-    (
-        "moe-exact",
-        "dataclass",
-    ): "the balance's mask is not read from a dataclass's attention_mask (no fix yet)",
-    (
-        "moe-lagged",
-        "dataclass",
-    ): "the balance's mask is not read from a dataclass's attention_mask (no fix yet)",
-    (
-        "moe-micro-batch",
-        "dataclass",
-    ): "the balance's mask is not read from a dataclass's attention_mask (no fix yet)",
-    ("moe-lagged", "skipped-window"): "a skipped window's counts are carried to the next (branch moe)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 """Cells that fail on this code, with what is wrong; strict, so a fix that lands fails them until
 the entry is removed."""
 
