@@ -49,14 +49,16 @@ def _windows(feats: set[str], given: str) -> list[list[dict[str, torch.Tensor]]]
 class Run:
     """One cell's accumulator over its windows, checked against the reference window by window."""
 
-    def __init__(self, feats: set[str], given: str) -> None:
-        self.feats, self.given = feats, given
+    def __init__(self, feats: set[str], given: str, ddp: bool = False) -> None:
+        self.feats, self.given, self.ddp = feats, given, ddp
         self.mode = next((f.removeprefix("moe-") for f in feats if f in MOE), None)
         self.bf16 = "accum_dtype" in feats
         self.model = s.build("batchnorm-window" in feats, torch.bfloat16 if self.bf16 else torch.float64)
         self.acc = self.accumulator(self.model)
         self.calls = 0
         self.widths: list[torch.dtype] = []
+        self.total: int | None = None
+        """The window's count over every rank, for the cached objective under DDP."""
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -70,6 +72,11 @@ class Run:
 
     def accumulator(self, model: torch.nn.Module) -> Any:
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        net: torch.nn.Module = model
+        if self.ddp:  # top-2 of 4 experts leaves some unused in a micro-batch; buffers are the step's
+            from torch.nn.parallel import DistributedDataParallel
+
+            net = DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
         balance = None
         if self.mode is not None:
             mask = (lambda mb: mb[2]) if self.given == "tuple" else None  # a tuple has no names
@@ -83,16 +90,16 @@ class Run:
             )
         if "gradient-cache" in self.feats:
             extra = {} if balance is None else {"balance": balance}
-            return CachedAccumulator(model, opt, **extra, **self.settings())
-        return Accumulator(model, opt, balance=balance, **self.settings())
+            return CachedAccumulator(net, opt, **extra, **self.settings())
+        return Accumulator(net, opt, balance=balance, **self.settings())
 
     def loss_fn(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
         if self.bf16 and torch.is_grad_enabled():  # a training forward, not MoE's routing pass
             if self.calls > 0:  # the float32 sum of the earlier micro-batches
-                self.widths.append(model.lin.weight.grad.dtype)
+                self.widths.append(self.model.lin.weight.grad.dtype)
             self.calls += 1
         if self.given == "loss_fn-submodules":
-            return s.loss_via_submodules(model, mb)
+            return s.loss_via_submodules(getattr(model, "module", model), mb)
         return s.loss_via_model(model, mb)
 
     def step(self, acc: Any, window: list[dict[str, torch.Tensor]], nan: bool = False) -> Any:
@@ -101,7 +108,7 @@ class Run:
             mbs = [s.wrap({**mb, "y": mb["y"] * math.nan}, self.given) for mb in window]
         self.calls = 0
         if "gradient-cache" in self.feats:
-            n = sum(int(mb["attention_mask"].sum()) for mb in window)
+            n = self.total or sum(int(mb["attention_mask"].sum()) for mb in window)
 
             def encode(m: torch.nn.Module, mb: Any) -> torch.Tensor:
                 x, y, mask = s.fields(mb)
