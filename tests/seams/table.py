@@ -6,8 +6,8 @@ docs/design/seams.md prints this table.
 Outcomes: ``exact`` (the update equals an independent float64 objective, relL2 <= 1e-10, and the
 state is bitwise where a run is compared with a run), ``refused`` (the named error class, naming the
 setting, at construction), ``n/a`` (the pair cannot be formed; the reason says why), and ``open``
-(a pair the table lists but does not run yet: compile, DDP and the external step, and the pairs
-named in docs/design/seams.md).
+(a pair the table lists but does not run yet: compile with DDP, the external step, a compiled
+``loss_fn``, and the pairs named in docs/design/seams.md).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ INPUTS = (
 RUN = ("moe-exact", "moe-lagged", "moe-micro-batch", "batchnorm-window", "accum_dtype", "token-budget",
        "post-scaling", "gradient-cache")  # fmt: skip
 """The features the single-process harness (tests/seams/scenario.py) composes."""
+HARNESSED = (*RUN, "ddp", "compile")
+"""With the two-process launch (test_ddp_cells.py) and the compiled model (test_compile_cells.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,8 @@ def _pair(a: str, b: str) -> tuple[str, str]:
         return "n/a", "prepare_accumulator takes no balance= and is not CachedAccumulator"
     if "ddp" in pair and not pair & {"compile", "external-step"}:
         return "exact", ""
+    if "compile" in pair and not pair & {"ddp", "external-step"}:
+        return "exact", ""
     if pair & {"compile", "ddp", "external-step"}:
         return "open", "needs the compiled / two-process / DeepSpeed harness"
     return "exact", ""
@@ -83,7 +87,7 @@ def _input(feature: str, given: str) -> tuple[str, str]:
     if feature == "ddp" and given == "loss_fn-submodules":
         return "open", ("calling the wrapped module's submodules skips DDP's forward: the window's "
                         "gradient is not all-reduced, and no check refuses it yet")  # fmt: skip
-    if feature == "ddp" and given != "loss_fn-compiled":
+    if feature in ("ddp", "compile") and given != "loss_fn-compiled":
         return "exact", ""
     if feature in ("compile", "ddp", "external-step") or given == "loss_fn-compiled":
         return "open", "needs the compiled / two-process / DeepSpeed harness"
@@ -100,7 +104,7 @@ def cells() -> list[Cell]:
     out = []
     for i, a in enumerate(FEATURES):
         for b in FEATURES[i:]:
-            outcome, note = ("exact", "") if a == b and a in (*RUN, "ddp") else _pair(a, b) if a != b else (
+            outcome, note = ("exact", "") if a == b and a in HARNESSED else _pair(a, b) if a != b else (
                 "open", "needs the compiled / two-process / DeepSpeed harness")  # fmt: skip
             out.append(Cell(a, b, outcome, note))
     for a in FEATURES:

@@ -49,8 +49,8 @@ def _windows(feats: set[str], given: str) -> list[list[dict[str, torch.Tensor]]]
 class Run:
     """One cell's accumulator over its windows, checked against the reference window by window."""
 
-    def __init__(self, feats: set[str], given: str, ddp: bool = False) -> None:
-        self.feats, self.given, self.ddp = feats, given, ddp
+    def __init__(self, feats: set[str], given: str, ddp: bool = False, compiled: bool = False) -> None:
+        self.feats, self.given, self.ddp, self.compiled = feats, given, ddp, compiled
         self.mode = next((f.removeprefix("moe-") for f in feats if f in MOE), None)
         self.bf16 = "accum_dtype" in feats
         self.model = s.build("batchnorm-window" in feats, torch.bfloat16 if self.bf16 else torch.float64)
@@ -77,6 +77,8 @@ class Run:
             from torch.nn.parallel import DistributedDataParallel
 
             net = DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
+        if self.compiled:  # aot_eager: dynamo's graphs and AOT autograd without a C++ toolchain
+            net = torch.compile(net, backend="aot_eager")
         balance = None
         if self.mode is not None:
             mask = (lambda mb: mb[2]) if self.given == "tuple" else None  # a tuple has no names
@@ -148,25 +150,25 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def run_cell(row: str, col: str) -> list[float]:
+def run_cell(row: str, col: str, compiled: bool = False) -> list[float]:
     feats = _features(row, col)
-    given = col if col not in RUN else "dict"
+    given = col if col not in RUN and col != "compile" else "dict"
     windows = _windows(feats, given)
-    run = Run(feats, given)
+    run = Run(feats, given, compiled=compiled)
     errors = run.checked(windows)
     straight = _state(run.model)
     if given == "skipped-window":  # a skipped window leaves every state as it was: bitwise
-        other = Run(feats, given)
+        other = Run(feats, given, compiled=compiled)
         other.step(other.acc, windows[0])
         assert other.step(other.acc, windows[1], nan=True).skipped
         other.step(other.acc, windows[1])
         assert _equal(_state(other.model), straight)
     if given == "resume":  # rebuilt from the saved states after the first window: bitwise
-        first = Run(feats, given)
+        first = Run(feats, given, compiled=compiled)
         first.step(first.acc, windows[0])
         saved = copy.deepcopy((first.model.state_dict(), first.acc.state_dict()))
         opt_state = copy.deepcopy(first.acc._engine.optimizer.state_dict())
-        resumed = Run(feats, given)
+        resumed = Run(feats, given, compiled=compiled)
         resumed.model.load_state_dict(saved[0])
         resumed.acc = resumed.accumulator(resumed.model)
         resumed.acc.load_state_dict(saved[1])
