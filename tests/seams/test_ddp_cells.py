@@ -5,7 +5,8 @@ DistributedDataParallel) on its share of each window: rank 0 the first micro-bat
 rest (uneven counts and sizes on purpose), and returns each window's update. The test holds rank
 0's update to the float64 objective of the whole window on one process (scenario.py), and both
 ranks' parameters to each other bitwise (DDP averages one gradient). Tolerances as in
-test_cells.py, plus DDP's averaging of two float64 gradients (one rounding, ~1e-16).
+test_cells.py, plus DDP's averaging of two float64 gradients (one rounding, ~1e-16). The
+``compile`` cell compiles the DDP wrapper (aot_eager), the order DDP's documentation recommends.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ DDP_CELLS = [c for c in cells() if "ddp" in (c.row, c.col) and c.outcome == "exa
 
 def _given(cell: Any) -> str:
     other = cell.col if cell.row == "ddp" else cell.row
-    return other if other not in RUN and other != "ddp" else "dict"
+    return other if other not in RUN and other not in ("ddp", "compile") else "dict"
 
 
 def _global_windows(feats: set[str], given: str) -> list[list[dict[str, torch.Tensor]]]:
@@ -43,9 +44,9 @@ def _share(window: list[Any], rank: int) -> list[Any]:
     return window[:cut] if rank == 0 else window[cut:]
 
 
-def _cell(rank: int, feats: set[str], given: str) -> dict[str, Any]:
+def _cell(rank: int, feats: set[str], given: str, compiled: bool) -> dict[str, Any]:
     windows = _global_windows(feats, given)
-    run = Run(feats, given, ddp=True)
+    run = Run(feats, given, ddp=True, compiled=compiled)
     updates, afters, stats = [], [], []
     for window in windows:
         before = [p.detach().clone() for p in run.model.parameters()]
@@ -94,7 +95,7 @@ def _ranks(rank: int, world: int, specs: list[tuple[str, str]]) -> dict[tuple[st
         key = (row, col)
         cell = next(c for c in DDP_CELLS if (c.row, c.col) == key)
         try:
-            out[key] = _cell(rank, _features(row, col), _given(cell))
+            out[key] = _cell(rank, _features(row, col), _given(cell), "compile" in key)
         except Exception:  # the test reports it per cell; the ranks meet before the next one
             out[key] = traceback.format_exc()
         dist.barrier()
