@@ -87,6 +87,8 @@ def _input(feature: str, given: str) -> tuple[str, str]:
     if feature == "ddp" and given == "loss_fn-submodules":
         return "open", ("calling the wrapped module's submodules skips DDP's forward: the window's "
                         "gradient is not all-reduced, and no check refuses it yet")  # fmt: skip
+    if given == "loss_fn-compiled" and feature in ("moe-exact", "batchnorm-window", "accum_dtype", "compile"):
+        return "exact", ""
     if feature in ("ddp", "compile") and given != "loss_fn-compiled":
         return "exact", ""
     if feature in ("compile", "ddp", "external-step") or given == "loss_fn-compiled":

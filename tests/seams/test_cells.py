@@ -100,6 +100,8 @@ class Run:
             if self.calls > 0:  # the float32 sum of the earlier micro-batches
                 self.widths.append(self.model.lin.weight.grad.dtype)
             self.calls += 1
+        if self.given == "loss_fn-compiled":
+            return _compiled_loss()(model, mb)
         if self.given == "loss_fn-submodules":
             return s.loss_via_submodules(getattr(model, "module", model), mb)
         return s.loss_via_model(model, mb)
@@ -140,6 +142,16 @@ class Run:
         if self.bf16:
             assert self.widths and all(d == torch.float32 for d in self.widths), self.widths
         return errors
+
+
+_COMPILED: list[Any] = []
+
+
+def _compiled_loss() -> Any:
+    """``scenario.loss_via_model`` under ``torch.compile`` (aot_eager), compiled once per process."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(s.loss_via_model, backend="aot_eager"))
+    return _COMPILED[0]
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -23,7 +23,11 @@ from tests.seams.table import MOE, cells
 from tests.seams.test_cells import Run, _features, _windows, run_cell
 
 COMPILE_CELLS = [
-    c for c in cells() if "compile" in (c.row, c.col) and "ddp" not in (c.row, c.col) and c.outcome == "exact"
+    c
+    for c in cells()
+    if ("compile" in (c.row, c.col) or c.col == "loss_fn-compiled")
+    and "ddp" not in (c.row, c.col)
+    and c.outcome == "exact"
 ]
 
 
@@ -39,7 +43,10 @@ def test_compiled_cell(cell: Any) -> None:
         torch.compiler.reset()
         _traced.append(hooks)
     row, col = (cell.col, cell.row) if cell.row == "compile" else (cell.row, cell.col)
-    run_cell(row, col, compiled=True)
+    if col == "loss_fn-compiled":  # the loss compiled, the model as it is
+        run_cell(row, col, compiled=row == "compile")
+    else:
+        run_cell(row, col, compiled=True)
 
 
 @pytest.mark.parametrize("mode", ["moe-lagged", "moe-micro-batch"])
