@@ -91,6 +91,8 @@ def _input(feature: str, given: str) -> tuple[str, str]:
         return "exact", ""
     if feature in ("ddp", "compile") and given != "loss_fn-compiled":
         return "exact", ""
+    if given == "loss_fn-compiled" and feature != "external-step":
+        return "open", "not run yet: each compiled-loss cell costs seconds of compiling"
     if feature in ("compile", "ddp", "external-step") or given == "loss_fn-compiled":
         return "open", "needs the compiled / two-process / DeepSpeed harness"
     if feature == "token-budget" and given == "tuple":
