@@ -70,6 +70,15 @@ def balanced_forward(
         raise ConfigError("the load balance has no agreed window statistics: the count phase did not run")
     with balance.capture.recording(graph=True) as records:
         loss = check_loss(loss_fn(model, mb), index)
+    silent = sorted(set(range(balance.spec.layers)) - {layer for layer, _ in records})
+    if silent:
+        raise ConfigError(
+            f"LoadBalance.routers {silent} ran no forward hook in micro-batch {index}'s training forward, "
+            "so their balancing term would be zero. A torch.compile graph traced before the step registered "
+            "its router hooks runs without them (dynamo does not guard module hooks): build the Accumulator "
+            "before the compiled model's first forward, or call torch.compiler.reset() after building it; "
+            "or the loss_fn does not run those routers."
+        )
     term, rejected = balance.term(window, index, mb, records)
     return loss, term, rejected
 
