@@ -58,20 +58,25 @@ K, M = 2, 4  # transformers' test: gradient_accumulation_steps=2, per_device_tra
 def _args(out: Path, k: int, m: int) -> TrainingArguments:
     """The peer's settings (AdamW at 3e-4, linear schedule, clipping at 1.0, every step logged),
     on the CPU, with the data in order."""
-    return TrainingArguments(
-        output_dir=str(out),
-        report_to=[],
-        use_cpu=True,
-        per_device_train_batch_size=m,
-        gradient_accumulation_steps=k,
-        max_steps=PEER_STEPS,
-        learning_rate=3e-4,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=42,
-        train_sampling_strategy="sequential",
-    )
+    return TrainingArguments(**_settings(out, k, m))
+
+
+def _settings(out: Path, k: int, m: int) -> dict[str, Any]:
+    """The peer's training arguments, shared by Trainer's and SFTTrainer's runs."""
+    return {
+        "output_dir": str(out),
+        "report_to": [],
+        "use_cpu": True,
+        "per_device_train_batch_size": m,
+        "gradient_accumulation_steps": k,
+        "max_steps": PEER_STEPS,
+        "learning_rate": 3e-4,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "seed": 42,
+        "train_sampling_strategy": "sequential",
+    }
 
 
 def _logged(trainer: Trainer, key: str) -> list[float]:
@@ -239,21 +244,7 @@ def _sft(cls: type[Trainer], out: Path, k: int, m: int) -> Trainer:
 
     tok = trl_common.tokenizer()
     ids = [(e["input_ids"] % (len(tok) - 3) + 3).tolist() for e in common.sequences(EXAMPLES)]  # no specials
-    args = SFTConfig(
-        output_dir=str(out),
-        report_to=[],
-        use_cpu=True,
-        per_device_train_batch_size=m,
-        gradient_accumulation_steps=k,
-        max_steps=PEER_STEPS,
-        learning_rate=3e-4,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=42,
-        train_sampling_strategy="sequential",
-        bf16=False,
-    )
+    args = SFTConfig(**_settings(out, k, m), bf16=False)
     trainer = cls(
         model=trl_common.model(tok),
         args=args,
