@@ -35,7 +35,7 @@ def _options(command: str) -> list[tuple[argparse.Action, str]]:
 
 
 def test_every_command_is_checked() -> None:
-    assert set(COMMANDS) == {"accept", "bench", "plan", "scan", "train", "verify"}
+    assert set(COMMANDS) == {"accept", "audit", "bench", "plan", "scan", "train", "verify"}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
