@@ -85,8 +85,8 @@ def _pair(a: str, b: str) -> tuple[str, str]:
 
 def _input(feature: str, given: str) -> tuple[str, str]:
     if feature == "ddp" and given == "loss_fn-submodules":
-        return "open", ("calling the wrapped module's submodules skips DDP's forward: the window's "
-                        "gradient is not all-reduced, and no check refuses it yet")  # fmt: skip
+        # refused at the step (loss_fn arrives there): tests/distributed/test_ddp_forward.py
+        return "refused", "ConfigError: loss_fn (at the step: it never called the DDP model)"
     if given == "loss_fn-compiled" and feature in ("moe-exact", "batchnorm-window", "accum_dtype", "compile"):
         return "exact", ""
     if feature in ("ddp", "compile") and given != "loss_fn-compiled":

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradaccum.errors import SyncError
+from gradaccum.errors import ConfigError, SyncError
 
 __all__ = [
     "SyncKind",
     "broadcasts_buffers",
     "check_sync_on",
+    "ddp_forward_checked",
     "fsdp2_sync_flags",
     "needs_every_parameter",
     "no_grad_sync",
@@ -218,3 +220,43 @@ def broadcasts_buffers(synced: Any, kind: str) -> bool:
         return False
     flag = getattr(synced, "forward_sync_buffers", getattr(synced, "broadcast_buffers", False))
     return bool(flag) and any(True for _ in synced.buffers())
+
+
+_Piece = TypeVar("_Piece")
+
+
+def ddp_forward_checked(
+    model: nn.Module, kind: SyncKind, contribute: Callable[..., _Piece]
+) -> Callable[..., _Piece]:
+    """``contribute`` refusing a synchronizing micro-batch whose ``loss_fn`` never ran DDP's forward.
+
+    DDP prepares its reducer in its forward: a ``loss_fn`` that calls ``model.module``'s submodules
+    runs none, the synchronizing backward all-reduces nothing, and each rank would step on its own
+    gradient, silently. A forward pre-hook on the DDP module, only around the micro-batches that
+    synchronize (``require_backward_grad_sync``), tells; the error is raised inside the micro-batch,
+    so the step's failure agreement tells every rank. A compiled wrapper is left unchecked (a hook
+    added after dynamo traced the module may never be called).
+    """
+    if kind != "ddp" or hasattr(model, "_orig_mod"):
+        return contribute
+    ddp = model if isinstance(model, DistributedDataParallel) else sync_module(model)
+
+    def checked(index: int, micro_batch: Any, *rest: Any) -> _Piece:
+        if not getattr(ddp, "require_backward_grad_sync", True):  # deferred: nothing to prepare
+            return contribute(index, micro_batch, *rest)
+        ran: list[bool] = []
+        handle = ddp.register_forward_pre_hook(lambda module, args: ran.append(True))
+        try:
+            piece = contribute(index, micro_batch, *rest)
+        finally:
+            handle.remove()
+        if not ran:
+            raise ConfigError(
+                f"micro-batch {index} synchronizes gradients, but loss_fn never called the "
+                "DistributedDataParallel model: calling model.module or its submodules skips DDP's "
+                "forward, so nothing would be all-reduced and each rank would step on its own "
+                "gradient. Call the wrapped model (model(...)) in loss_fn."
+            )
+        return piece
+
+    return checked

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gradaccum.distributed.sync import ddp_forward_checked
 from gradaccum.errors import ConfigError
 from gradaccum.moe.balancer import WindowBalance
 from gradaccum.moe.runner import balanced_forward, balancer_for, routing_forward
@@ -185,7 +186,7 @@ class Accumulator(EngineFace):
                 contribution = scaler.scale(contribution)
             return Contribution(contribution, loss.detach(), rejected)
 
-        accumulated = engine.accumulate(micro_batches, contribute)
+        accumulated = engine.accumulate(micro_batches, ddp_forward_checked(model, engine.kind, contribute))
         if balance is None:
             return engine.conclude(counted, accumulated)
         balance.finish()
@@ -215,7 +216,8 @@ class Accumulator(EngineFace):
             return Contribution(contribution, loss.detach())
 
         assert isinstance(engine, PostScalingEngine)
-        counted, accumulated = engine.stream(window, contribute, count_fn, length=length)
+        checked = ddp_forward_checked(model, engine.kind, contribute)
+        counted, accumulated = engine.stream(window, checked, count_fn, length=length)
         return engine.conclude(counted, accumulated)
 
     def _post_scale(self, c: torch.Tensor | float, loss: torch.Tensor) -> torch.Tensor:
