@@ -119,6 +119,10 @@ class Accumulator(EngineFace):
             hooks.insert(len(hooks) - len(on_step), balancer.applied)
         # decided once: a plain step skips what only distributed or optional features use
         self._plain = plain_window(self._engine)
+        # DDP must run its forward in a synchronizing micro-batch; a backward of the caller's own
+        # (Lightning's manual_backward, whose training_step already runs inside DDP's forward)
+        # prepares the reducer itself
+        self._sync_kind = self._engine.kind if backward is None else "local"
 
     @classmethod
     def from_config(
@@ -186,7 +190,8 @@ class Accumulator(EngineFace):
                 contribution = scaler.scale(contribution)
             return Contribution(contribution, loss.detach(), rejected)
 
-        accumulated = engine.accumulate(micro_batches, ddp_forward_checked(model, engine.kind, contribute))
+        checked = ddp_forward_checked(model, self._sync_kind, contribute)
+        accumulated = engine.accumulate(micro_batches, checked)
         if balance is None:
             return engine.conclude(counted, accumulated)
         balance.finish()
@@ -216,7 +221,7 @@ class Accumulator(EngineFace):
             return Contribution(contribution, loss.detach())
 
         assert isinstance(engine, PostScalingEngine)
-        checked = ddp_forward_checked(model, engine.kind, contribute)
+        checked = ddp_forward_checked(model, self._sync_kind, contribute)
         counted, accumulated = engine.stream(window, checked, count_fn, length=length)
         return engine.conclude(counted, accumulated)
 
