@@ -134,32 +134,33 @@ def _peers(window: list[Any]) -> dict[str, Callable[[], object]]:
 
 
 def pre_by_hand(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[list[Any]], None]:
-    """Pre-scaling's default features written by hand for this one case (one process, tensor
-    counts): N summed in float64 and the smallest count (a negative one is refused), W/N cast to
-    the loss's dtype, each micro-batch's summed loss kept for the report, GradScaler's fused
-    non-finite check, one host read, and the step only when everything is finite. What the
-    "gradaccum" row would cost with no engine around it: that row's floor on this machine."""
+    """Pre-scaling's default features written by hand for this one case (one process, CPU tensor
+    counts): the counts read on the host (a negative one is refused), W/N in float64 filled once in
+    the loss's dtype and handed to autograd as each loss's gradient (the same bits as backpropagating
+    the product), each micro-batch's summed loss kept for the report, GradScaler's fused non-finite
+    check, one host read, and the step only when everything is finite. What the "gradaccum" row
+    would cost with no engine around it: that row's floor on this machine."""
     params = list(model.parameters())
     one = torch.ones(1)
 
     def run(window: list[Any]) -> None:
-        counts = torch.stack([count(mb) for mb in window])
-        n = counts.sum(dtype=torch.float64)
+        counts = torch.stack([count(mb) for mb in window]).tolist()
+        if min(counts) < 0:
+            raise ValueError("a negative count")
+        n = sum(counts)
         opt.zero_grad(set_to_none=True)
-        scale = torch.reciprocal(n.clamp(min=1)).float()
+        scale = torch.full((), 1.0 / max(n, 1), dtype=torch.float32)
         losses = []
         for mb in window:
             loss = gpt_loss(model, mb)
             losses.append(loss.detach())
-            (loss * scale).backward()
+            torch.autograd.backward(loss, scale)
         found = torch.zeros(())
         torch._amp_foreach_non_finite_check_and_unscale_(
             [p.grad for p in params if p.grad is not None], found, one
         )
-        *summed, flag, n_host, smallest = torch.stack([*losses, found, n, counts.min()]).tolist()
-        if smallest < 0:
-            raise ValueError("a negative count")
-        if math.isfinite(math.fsum(summed)) and n_host and not flag:
+        *summed, flag = torch.stack([*losses, found]).tolist()
+        if math.isfinite(math.fsum(summed)) and n and not flag:
             opt.step()
 
     return run

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gradaccum import Accumulator, LossError, split
+from gradaccum import Accumulator, CountError, LossError, split
 from gradaccum.step.plain import PlainWindow
 from gradaccum.step.window import CastScale, WindowCount
 from tests.helpers import models
@@ -134,3 +134,76 @@ def test_a_host_scale_has_the_bits_of_the_device_scale(dtype: torch.dtype) -> No
             assert host_scale.dtype == dtype and host_scale.shape == ()
             assert torch.equal(host_scale, device_scale), (n, factor)
     assert WindowCount([], global_count, global_count, None, None, 1, 1.0).host_scale() is None
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass, as a library's loss may return: the step multiplies it instead."""
+
+
+class _Recording(torch.optim.SGD):
+    """Records the gradients it is handed; moves nothing."""
+
+    def __init__(self, params: object, recorded: list[list[torch.Tensor]]) -> None:
+        super().__init__(params, lr=0.0)  # type: ignore[arg-type]
+        self.recorded = recorded
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.recorded.append([p.grad.clone() for p in params])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tagged", [False, True], ids=["tensor", "subclass"])
+def test_the_scale_seeds_the_backward_with_the_products_bits(dtype: torch.dtype, tagged: bool) -> None:
+    """The plain step hands W/N to autograd as the loss's gradient instead of backpropagating
+    ``loss * (W/N)``. The product's backward hands the loss's graph ``1.0 * (W/N)``, which is W/N
+    exactly in every float dtype, so every gradient must be the product's to the bit; a tensor
+    subclass takes the product path. Windows of 2, 3 and 5 micro-batches with N = 7, 3 and 11:
+    scales that do not round to a power of two."""
+    for k, rows in ((2, 7), (3, 3), (5, 11)):
+        window = split(models.mlp_batch(rows * k, seed=k, dtype=dtype), micro_batch=rows)
+
+        def loss_fn(model: torch.nn.Module, mb: dict) -> torch.Tensor:
+            loss = ((model(mb["x"]) - mb["y"]) ** 2).sum()
+            return loss.as_subclass(_Tagged) if tagged else loss
+
+        stepped, by_hand = models.mlp(dtype=dtype), models.mlp(dtype=dtype)
+        recorded: list[list[torch.Tensor]] = []
+
+        Accumulator(stepped, _Recording(stepped.parameters(), recorded)).step(window, loss_fn, _rows)
+        n = torch.tensor(float(rows * k), dtype=torch.float64)
+        scale = torch.reciprocal(n).to(dtype)
+        for mb in window:
+            (loss_fn(by_hand, mb) * scale).backward()
+        for got, param in zip(recorded[0], by_hand.parameters(), strict=True):
+            assert param.grad is not None and torch.equal(got, param.grad), (k, dtype)
+
+
+def test_a_negative_cpu_count_is_refused_before_any_forward() -> None:
+    model = models.mlp()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    forwards: list[int] = []
+
+    def loss_fn(model: torch.nn.Module, mb: dict) -> torch.Tensor:
+        forwards.append(1)
+        return models.mlp_loss(model, mb)
+
+    window = split(models.mlp_batch(4, seed=1), micro_batch=2)
+    with pytest.raises(CountError, match="negative count"):
+        acc.step(window, loss_fn, lambda mb: torch.tensor(-1) if mb is window[1] else models.count_rows(mb))
+    assert forwards == [] and all(p.grad is None for p in model.parameters())
+
+
+def test_cpu_counts_are_read_on_the_host_and_the_verdict_once() -> None:
+    """CPU tensor counts are read on the host (they wait for no device: counted apart, as
+    ``cpu_reads``); the device's figures still travel in one read per step."""
+    from gradaccum.distributed.comm import count_sync_points
+
+    model = models.mlp()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    window = split(models.mlp_batch(6, seed=1), micro_batch=2)
+    for count, cpu_reads in ((models.count_rows, 1), (_rows, 0)):
+        acc.step(window, models.mlp_loss, count)
+        with count_sync_points() as points:
+            acc.step(window, models.mlp_loss, count)
+        assert (points.collectives, points.host_reads, points.cpu_reads) == (0, 1, cpu_reads), points.by_name

@@ -7,6 +7,7 @@ annotation and needs the real ``dist.GradBucket`` class, not a string.
 """
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,14 +172,25 @@ class SyncPoints:
 
     collectives: int = 0
     host_reads: int = 0
+    cpu_reads: int = 0
+    """Reads of tensors that live in host memory (:func:`read_cpu`: the counts of a window whose
+    ``count_fn`` returns CPU tensors), which wait for no device; not among ``host_reads``."""
     by_name: dict[str, int] = field(default_factory=dict)
 
-    def _add(self, name: str, host: bool) -> None:
-        if host:
+    def _add(self, name: str, kind: str) -> None:
+        if kind == "host":
             self.host_reads += 1
+        elif kind == "cpu":
+            self.cpu_reads += 1
         else:
             self.collectives += 1
         self.by_name[name] = self.by_name.get(name, 0) + 1
+
+
+def read_cpu(tensor: torch.Tensor) -> list[Any]:
+    """The values of a CPU tensor, for the step's host-side arithmetic: reading host memory waits
+    for no device, so :func:`count_sync_points` counts it apart (``cpu_reads``)."""
+    return tensor.tolist()
 
 
 @contextlib.contextmanager
@@ -193,12 +205,12 @@ def count_sync_points() -> Iterator[SyncPoints]:
     depth = [0]
     saved: list[tuple[object, str, object]] = []
 
-    def wrap(owner: object, name: str, host: bool) -> None:
+    def wrap(owner: object, name: str, kind: str) -> None:
         original = getattr(owner, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
-                points._add(name, host)
+                points._add(name, kind)
             depth[0] += 1
             try:
                 return original(*args, **kwargs)
@@ -210,9 +222,10 @@ def count_sync_points() -> Iterator[SyncPoints]:
 
     for name in _COLLECTIVES:
         if hasattr(dist, name):
-            wrap(dist, name, False)
+            wrap(dist, name, "collective")
     for name in _HOST_READS:
-        wrap(torch.Tensor, name, True)
+        wrap(torch.Tensor, name, "host")
+    wrap(sys.modules[__name__], "read_cpu", "cpu")  # callers look it up on this module
     try:
         yield points
     finally:

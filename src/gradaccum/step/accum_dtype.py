@@ -234,6 +234,8 @@ class WideGradients:
     def narrow(self) -> None:
         """End the window: round each wide sum once into its parameter's dtype (what every
         optimizer accepts) and give each parameter its ``grad_dtype`` back."""
+        if not (self._live or self._stashed or self._reduced):
+            return  # nothing was widened (accum_dtype unset, or nothing narrower than it)
         for p, saved in zip(self._live, self._saved, strict=True):
             grad = p.grad
             p.grad = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from gradaccum.distributed import comm
 from gradaccum.errors import CountError, LossError, TooManySkipsError, WindowError
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "check_not_empty",
     "check_skips",
     "check_window_shapes",
+    "counts_on_host",
     "sum_counts",
     "unmean",
 ]
@@ -142,6 +144,25 @@ def sum_counts(
         stacked = stacked.to(device=device, non_blocking=True)
     total = stacked.sum(dtype=torch.float64)  # exact below 2**53, as the counts are integers
     return (total + host_counts if host_counts else total), stacked.min()
+
+
+def counts_on_host(counts: list[int | torch.Tensor]) -> int | None:
+    """The window's count when every count is an int or a CPU tensor (reading a CPU tensor waits
+    for no device), else ``None``; a negative count is refused here, before any forward.
+
+    One stack and one read for the tensors, instead of the device sum, smallest and W/N a device's
+    counts take (:func:`sum_counts`): four small ops a window fewer.
+    """
+    tensors = [c for c in counts if not isinstance(c, int)]
+    if not tensors:
+        return sum(c for c in counts if isinstance(c, int))
+    if tensors[0].device.type != "cpu":
+        return None
+    stacked = torch.stack(tensors)  # one device (stack refuses two); as_count: one element each
+    read = comm.read_cpu(stacked if stacked.ndim == 1 else stacked.flatten())
+    if min(read) < 0:
+        raise CountError("count_fn returned a negative count; no update was applied")
+    return sum(read) if len(read) == len(counts) else sum(read) + sum(c for c in counts if isinstance(c, int))
 
 
 def check_skips(consecutive: int, limit: int | None, reason: str) -> None:

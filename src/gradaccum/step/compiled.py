@@ -29,17 +29,24 @@ imports nothing.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 __all__ = ["CompileCounter", "graphs_compiled"]
+
+
+_counters: list[Any] = []  # dynamo's statistics, once found (a module global it clears, never replaces)
 
 
 def graphs_compiled() -> int:
     """Graphs ``torch.compile`` compiled in this process so far; 0 when dynamo was never imported
     (nothing can have compiled) or its statistics are not where torch 2.4-2.13 keep them."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    if counters is None:
-        return 0
+    if _counters:
+        counters = _counters[0]
+    else:
+        counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+        if counters is None:
+            return 0
+        _counters.append(counters)
     try:
         return int(counters["stats"]["unique_graphs"])
     except (KeyError, TypeError, ValueError):

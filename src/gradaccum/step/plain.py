@@ -24,7 +24,14 @@ import torch
 
 from gradaccum.distributed import dist
 from gradaccum.step.agreement import LocalFailure, raise_alone
-from gradaccum.step.checks import as_count, check_loss, check_not_empty, sum_counts, unmean
+from gradaccum.step.checks import (
+    as_count,
+    check_loss,
+    check_not_empty,
+    counts_on_host,
+    sum_counts,
+    unmean,
+)
 from gradaccum.step.config import StepResult
 from gradaccum.step.window import Accumulated, CastScale, CountFn, WindowCount
 
@@ -60,12 +67,14 @@ def plain_window(engine: WindowEngine) -> PlainWindow | None:
 class PlainWindow:
     """Phases 1-3 of a plain window, then the engine's phase 4."""
 
-    __slots__ = ("engine", "mean", "observed")
+    __slots__ = ("custom_backward", "engine", "mean", "observed")
 
     def __init__(self, engine: WindowEngine) -> None:
         self.engine = engine
         self.mean = engine.config.loss_reduction == "mean"
         self.observed = engine.observer is not None  # else no call per micro-batch to tell nobody
+        # a backward of the caller's own (Lightning's manual_backward) receives loss * scale
+        self.custom_backward = None if engine.backward is torch.Tensor.backward else engine.backward
 
     def applies(self) -> bool:
         """Whether this window is plain: no process group has appeared since construction."""
@@ -78,21 +87,26 @@ class PlainWindow:
         micro_batches, _ = engine.open(window)  # one process: a failure is raised, not returned
         check_not_empty(len(micro_batches))
         counts = [as_count(count_fn(mb), i) for i, mb in enumerate(micro_batches)]
-        local_count, min_count = sum_counts(counts, engine.device)
-        # int counts only (no tensor's smallest to read): N is on the host, and so is W/N
-        host_count = sum(c for c in counts if isinstance(c, int)) if min_count is None else None
+        # ints or CPU tensors: N is read on the host, and so is W/N; a device's counts stay there
+        host_count = counts_on_host(counts)
+        if host_count is None:
+            local_count, min_count = sum_counts(counts, engine.device)
+        else:  # float64, as the device's sum: exact below 2**53
+            local_count = torch.full((), float(host_count), dtype=torch.float64, device=engine.device)
+            min_count = None
         counted = WindowCount(counts, local_count, local_count, host_count, min_count, 1, engine.factor)
         engine.zero_grad()
         host_scale = counted.host_scale()
         # each micro-batch adds sum_t l_t / N
         scale = CastScale(counted.scale()) if host_scale is None else CastScale(host_scale, engine.device)
-        model, backward, emit, mean, observed = (
+        model, custom, emit, mean, observed = (
             engine.model,
-            engine.backward,
+            self.custom_backward,
             engine.emit,
             self.mean,
             self.observed,
         )
+        seed = torch.autograd.backward
         losses: list[torch.Tensor] = []
         for i, mb in enumerate(micro_batches):
             if observed:
@@ -104,7 +118,15 @@ class PlainWindow:
                     loss = unmean(loss, counts[i], i)
                 losses.append(loss.detach())
                 phase = "backward"
-                backward(loss * scale.to(loss.dtype))
+                # W/N seeds the backward as the loss's gradient: what loss * (W/N) would hand
+                # the loss's graph (1.0 * W/N, exactly), without the multiply, its backward node
+                # and the ones_like seed; a tensor subclass or a custom backward takes the product
+                if custom is None and type(loss) is torch.Tensor:
+                    seed(loss, scale.to(loss.dtype))
+                elif custom is None:
+                    (loss * scale.to(loss.dtype)).backward()
+                else:
+                    custom(loss * scale.to(loss.dtype))
             except Exception as exc:
                 engine.zero_grad()
                 raise_alone(LocalFailure(exc, phase, i), recoverable=True)

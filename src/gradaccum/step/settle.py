@@ -133,13 +133,12 @@ class WindowSettler:
         losses = accumulated.losses if objective is None else (objective.detach(),)
         if not losses:
             losses = (accumulated.loss_sum(),)
-        figures = [
-            *losses,
-            self.zero if gradient is None else gradient,
-            counted.global_count,
-            counted.local_count,
-            self.zero if counted.min_count is None else counted.min_count,
-        ]
+        figures = [*losses, self.zero if gradient is None else gradient]
+        # N known on the host (int or CPU counts, one process): no count to read
+        counts_here = counted.global_host is not None and counted.min_count is None
+        if not counts_here:
+            smallest = self.zero if counted.min_count is None else counted.min_count
+            figures += [counted.global_count, counted.local_count, smallest]
         no_vetoes = accumulated.rejected is self.zero  # known on the host: not read
         if not no_vetoes:
             figures.append(accumulated.rejected)
@@ -147,9 +146,16 @@ class WindowSettler:
             stacked = torch.stack(figures)
         except RuntimeError:
             return None
-        if stacked.ndim != 1 or stacked.dtype != torch.float64:  # float64: counts exact below 2**53
+        # float64 where counts ride along (exact below 2**53); else any float dtype, which holds
+        # each figure exactly (stack promotes to the widest)
+        wanted = stacked.dtype.is_floating_point if counts_here else stacked.dtype == torch.float64
+        if stacked.ndim != 1 or not wanted:
             return None
         values = stacked.tolist()
         rejected = 0.0 if no_vetoes else values.pop()
+        if counts_here:
+            *summands, flag = values
+            n = float(counted.global_host)  # type: ignore[arg-type]
+            return WindowTotals(math.fsum(summands), rejected, flag, n, n, 0.0)
         *summands, flag, global_count, local_count, smallest = values
         return WindowTotals(math.fsum(summands), rejected, flag, global_count, local_count, smallest)
