@@ -34,6 +34,7 @@ import torch
 
 import gradaccum
 from tests.helpers.launcher import run_ranks, values
+from tests.helpers.torch_extensions import kept_extensions
 from tests.integrations import common
 
 STAGES = (0, 1, 2, 3)
@@ -45,19 +46,11 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs gradaccum[deepspeed]"),
 ]
 
-EXTENSIONS = Path(__file__).resolve().parents[2] / "build" / "torch_extensions"
-"""Where DeepSpeed's JIT-built CPU communication op is kept between runs (ignored by git): built by
-the first run of a checkout (~30-50 s on a 2-core machine), loaded by every later one in under a
-second, whatever HOME is (docs/integrations.md). A TORCH_EXTENSIONS_DIR already set is kept."""
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _extensions_kept() -> Iterator[None]:
     # every rank these tests spawn, and the example's torchrun, inherit it
-    with pytest.MonkeyPatch.context() as patch:
-        if "TORCH_EXTENSIONS_DIR" not in os.environ:
-            patch.setenv("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))
-        yield
+    yield from kept_extensions()
 
 
 def loss_fn(model: Any, mb: dict[str, Any]) -> torch.Tensor:

@@ -6,14 +6,34 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from gradaccum.check.controls import randomness_off
 
-__all__ = ["float64_copy", "gradients", "preserved_rng", "rel_l2", "state_fingerprint"]
+__all__ = ["RecordingOptimizer", "float64_copy", "gradients", "preserved_rng", "rel_l2", "state_fingerprint"]
+
+
+class RecordingOptimizer(torch.optim.Optimizer):
+    """An optimizer that records the gradients it is given and moves nothing."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        super().__init__(list(params), {"lr": 0.0})
+        self.received: list[list[torch.Tensor]] = []
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:  # Lightning runs the last micro-batch's forward/backward here
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.received.append(
+            [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+        )
+        return loss
 
 
 def float64_copy(model: nn.Module, stack: contextlib.ExitStack) -> nn.Module:

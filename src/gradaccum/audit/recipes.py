@@ -11,13 +11,17 @@ probabilities set to 0, train mode kept), all fed the same micro-batches:
   (Accelerate divides the loss by k and steps the optimizer on the k-th micro-batch);
 * Lightning's ``Trainer(accumulate_grad_batches=k)`` on CPU, one optimizer step, a LightningModule
   whose ``training_step`` returns the mean loss of its micro-batch (Lightning divides it by k);
+* DeepSpeed's engine with ``gradient_accumulation_steps=k``: the mean loss of each micro-batch
+  through ``engine.backward`` (which divides it by k) and ``engine.step()``; and gradaccum's
+  ``prepare_accumulator`` on the same engine;
 * gradaccum's ``Accumulator.step``: each micro-batch's summed loss divided by the window's N.
 
 What is compared is the gradient the optimizer receives: a recording optimizer reads every
 parameter's gradient when ``step`` is called and leaves the parameters as they are. The reference is
 the gradient of the workload's objective over the whole window, ``sum of loss_fn over every
-micro-batch / N`` with ``N = sum of count_fn``, in float64. DeepSpeed is listed, not run (its engine
-needs a launched process group and its own configuration).
+micro-batch / N`` with ``N = sum of count_fn``, in float64. DeepSpeed's two rows (its engine's
+``gradient_accumulation_steps``, and ``prepare_accumulator`` on the same engine) run in float32 in a
+one-rank process group (:mod:`gradaccum.audit.deepspeed`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccum.audit.measure import float64_copy, gradients, preserved_rng, rel_l2
+from gradaccum.audit.deepspeed import NotRun, deepspeed_gradients
+from gradaccum.audit.measure import RecordingOptimizer, float64_copy, gradients, preserved_rng, rel_l2
 from gradaccum.audit.stack import RecipeRow, StackAudit
 from gradaccum.batch import Batch, batch_size
 from gradaccum.check.runs import host_count
@@ -42,25 +47,6 @@ from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
 __all__ = ["audit_stack", "full_batch_gradient"]
 
 Progress = Callable[[str], None]
-
-
-class _Recording(torch.optim.Optimizer):
-    """An optimizer that records the gradients it is given and moves nothing."""
-
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
-        super().__init__(list(params), {"lr": 0.0})
-        self.received: list[list[torch.Tensor]] = []
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:  # Lightning runs the last micro-batch's forward/backward here
-            with torch.enable_grad():
-                loss = closure()
-        params = [p for group in self.param_groups for p in group["params"]]
-        self.received.append(
-            [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
-        )
-        return loss
 
 
 def full_batch_gradient(
@@ -79,7 +65,7 @@ def full_batch_gradient(
 def _hand_loop(
     model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
 ) -> list[torch.Tensor]:
-    optimizer = _Recording(list(model.parameters()))
+    optimizer = RecordingOptimizer(list(model.parameters()))
     k = len(micro)
     for mb in micro:
         (loss_fn(model, mb) / count_fn(mb) / k).backward()
@@ -94,7 +80,7 @@ def _accelerate(
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    recording = _Recording(list(model.parameters()))
+    recording = RecordingOptimizer(list(model.parameters()))
     try:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(micro))
         prepared, optimizer = accelerator.prepare(model, recording)
@@ -123,7 +109,7 @@ def _lightning(
     model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
 ) -> list[torch.Tensor]:
     pl = _lightning_module()
-    recording = _Recording(list(model.parameters()))
+    recording = RecordingOptimizer(list(model.parameters()))
 
     module: Any = pl.LightningModule
 
@@ -168,20 +154,58 @@ def _lightning(
 def _gradaccum(
     model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
 ) -> list[torch.Tensor]:
-    recording = _Recording(list(model.parameters()))
+    recording = RecordingOptimizer(list(model.parameters()))
     Accumulator(model, recording).step(list(micro), loss_fn, count_fn)
     return recording.received[-1]
 
 
 _Recipe = Callable[[nn.Module, Sequence[Batch], LossFn, CountFn], list[torch.Tensor]]
 
-# (recipe, framework, import name, run, which loss it accumulates)
-_RECIPES: tuple[tuple[str, str, str, _Recipe, str], ...] = (
-    ("hand-written loop: (loss / k).backward()", "torch", "torch", _hand_loop, "mean"),
-    ("Accelerator.accumulate()", "accelerate", "accelerate", _accelerate, "mean"),
-    ("Trainer(accumulate_grad_batches=k)", "lightning", "lightning", _lightning, "mean"),
-    ("Accumulator.step", "gradaccum", "gradaccum", _gradaccum, "exact"),
-)
+
+class _DeepSpeedRows:
+    """DeepSpeed's two rows, run together in one child process the first time either is asked for
+    (:mod:`gradaccum.audit.deepspeed`): one per audit."""
+
+    def __init__(self) -> None:
+        self._got: dict[str, list[torch.Tensor] | NotRun] | None = None
+
+    def row(self, loop: str) -> _Recipe:
+        def run(
+            model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
+        ) -> list[torch.Tensor]:
+            if self._got is None:
+                self._got = deepspeed_gradients(model, micro, loss_fn, count_fn)
+            got = self._got[loop]
+            if isinstance(got, NotRun):
+                raise got
+            return got
+
+        return run
+
+
+def _recipes() -> tuple[tuple[str, str, str, _Recipe, str], ...]:
+    """(recipe, framework, import name, run, which loss it accumulates), in the table's order."""
+    deepspeed = _DeepSpeedRows()
+    return (
+        ("hand-written loop: (loss / k).backward()", "torch", "torch", _hand_loop, "mean"),
+        ("Accelerator.accumulate()", "accelerate", "accelerate", _accelerate, "mean"),
+        ("Trainer(accumulate_grad_batches=k)", "lightning", "lightning", _lightning, "mean"),
+        (
+            "engine.backward, gradient_accumulation_steps=k",
+            "deepspeed",
+            "deepspeed",
+            deepspeed.row("loop"),
+            "mean",
+        ),
+        (
+            "prepare_accumulator(engine).step",
+            "deepspeed",
+            "deepspeed",
+            deepspeed.row("exact"),
+            "exact float32",
+        ),
+        ("Accumulator.step", "gradaccum", "gradaccum", _gradaccum, "exact"),
+    )
 
 
 def _installed(module: str) -> bool:
@@ -214,12 +238,23 @@ def _mean_cause(counts: Sequence[int], unit: str, error: float) -> str:
     )
 
 
-def _exact_cause(counts: Sequence[int], unit: str, error: float) -> str:
+def _exact_cause(
+    counts: Sequence[int], unit: str, error: float, *, rounding: str = "float64 rounding"
+) -> str:
     return (
         f"each micro-batch's summed loss is divided by the window's N = {sum(counts)} {unit}, counted "
         f"before the first backward: the full batch's objective; what is left ({error:.1e}) is "
-        "float64 rounding"
+        f"{rounding}"
     )
+
+
+def _cause(kind: str, counts: Sequence[int], unit: str, error: float) -> str:
+    if kind == "mean":
+        return _mean_cause(counts, unit, error)
+    if kind == "exact float32":  # DeepSpeed reduces no float64 gradient (gradaccum.audit.deepspeed)
+        rounding = "float32 rounding: DeepSpeed's engine reduces float32 gradients"
+        return _exact_cause(counts, unit, error, rounding=rounding)
+    return _exact_cause(counts, unit, error)
 
 
 @contextlib.contextmanager
@@ -263,7 +298,7 @@ def audit_stack(
     with preserved_rng(), contextlib.ExitStack() as stack:
         base = float64_copy(model, stack)
         reference = full_batch_gradient(copy.deepcopy(base), micro, loss_fn, count_fn)
-        for recipe, framework, module, run, kind in _RECIPES:
+        for recipe, framework, module, run, kind in _recipes():
             if not _installed(module):
                 rows.append(
                     RecipeRow(
@@ -279,38 +314,31 @@ def audit_stack(
                 continue
             if progress is not None:
                 progress(f"{recipe} ({framework}) on {len(micro)} micro-batches ...")
-            with _framework_side_effects_undone():
-                got = run(copy.deepcopy(base), micro, loss_fn, count_fn)
+            try:
+                with _framework_side_effects_undone():
+                    got = run(copy.deepcopy(base), micro, loss_fn, count_fn)
+            except NotRun as exc:
+                rows.append(
+                    RecipeRow(
+                        recipe=recipe, framework=framework, status="not run", error=None, cause=str(exc)
+                    )
+                )
+                if progress is not None:
+                    progress(f"  not run: {exc}")
+                continue
             error = rel_l2(got, reference)
-            cause = (_mean_cause if kind == "mean" else _exact_cause)(counts, unit, error)
             rows.append(
                 RecipeRow(
                     recipe=recipe,
                     framework=framework,
                     status="measured",
                     error=error,
-                    cause=cause,
+                    cause=_cause(kind, counts, unit, error),
                     version=_version(module),
                 )
             )
             if progress is not None:
                 progress(f"  update error {error:.2e}")
-    rows.append(
-        RecipeRow(
-            recipe="DeepSpeed gradient_accumulation_steps",
-            framework="deepspeed",
-            status="not run" if _installed("deepspeed") else "not installed",
-            error=None,
-            cause=(
-                "not run by this command: deepspeed.initialize needs a launched process group and a "
-                "DeepSpeed configuration; its engine divides each micro-batch's loss by "
-                "gradient_accumulation_steps, the mean-of-means weighting of the rows above"
-                if _installed("deepspeed")
-                else "not installed (importlib.util.find_spec('deepspeed') is None)"
-            ),
-            version=_version("deepspeed") if _installed("deepspeed") else "",
-        )
-    )
     units = sum(counts)
     return StackAudit(
         workload=workload,
