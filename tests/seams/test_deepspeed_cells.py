@@ -8,7 +8,8 @@ on each rank (the step refuses unequal counts under DeepSpeed, tests/integration
 ``token-budget`` cuts each window with ``split_by_tokens(..., equal_count=True)``; a short window is
 one micro-batch per rank; a NaN window is skipped bitwise; resume goes through DeepSpeed's own
 checkpoint and the accumulator's ``state_dict``, bitwise. The compiled cells (``engine.compile``, a
-compiled ``loss_fn``) run at stage 0 only: compiling through ZeRO-3's hooks costs 13 s here.
+compiled ``loss_fn``) run at stage 0 only: compiling through ZeRO-3's hooks costs 15 s more here
+(both were exact at stage 3, run once outside the suite).
 
 The test holds rank 0's update to the float64 objective of the whole window (scenario.py, from the
 engine's float32-rounded initial weights) and both ranks' states to each other bitwise. Tolerance
@@ -44,6 +45,7 @@ from tests.seams.table import cells
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs gradaccum[deepspeed]"),
+    pytest.mark.timeout(240),  # the first test also waits for the launch (~35 s; the ranks' limit 180 s)
 ]
 
 DS = "external-step"
@@ -237,7 +239,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     with pytest.MonkeyPatch.context() as patch:  # every rank inherits it
         if "TORCH_EXTENSIONS_DIR" not in os.environ:
             patch.setenv("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))
-        return run_ranks(_ranks, specs, out, timeout_s=240, pg_timeout_s=120)
+        return run_ranks(_ranks, specs, out, timeout_s=180, pg_timeout_s=60)
 
 
 def _reference_start(given: str) -> torch.nn.Module:
@@ -296,4 +298,5 @@ def test_deepspeed_cell(cell: Any, ranks: list[Any]) -> None:
         for g in got:  # on every rank, naming the setting, before any update
             assert g["error"] == error, (stage, g)
             assert setting.split(" ")[0] in g["message"], (stage, g["message"])
+            assert g["where"] == ("step" if "at the step" in setting else "construction"), (stage, g)
             assert not g.get("moved", False), stage
