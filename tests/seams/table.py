@@ -6,8 +6,8 @@ docs/design/seams.md prints this table.
 Outcomes: ``exact`` (the update equals an independent float64 objective, relL2 <= 1e-10, and the
 state is bitwise where a run is compared with a run), ``refused`` (the named error class, naming the
 setting, at construction), ``n/a`` (the pair cannot be formed; the reason says why), and ``open``
-(a pair the table lists but does not run yet: compile with DDP, the external step, a compiled
-``loss_fn``, and the pairs named in docs/design/seams.md).
+(a pair the table lists but does not run yet: a compiled ``loss_fn``, and the pairs named in
+docs/design/seams.md).
 """
 
 from __future__ import annotations
@@ -42,8 +42,19 @@ INPUTS = (
 RUN = ("moe-exact", "moe-lagged", "moe-micro-batch", "batchnorm-window", "accum_dtype", "token-budget",
        "post-scaling", "gradient-cache")  # fmt: skip
 """The features the single-process harness (tests/seams/scenario.py) composes."""
-HARNESSED = (*RUN, "ddp", "compile")
-"""With the two-process launch (test_ddp_cells.py) and the compiled model (test_compile_cells.py)."""
+HARNESSED = (*RUN, "ddp", "compile", "external-step")
+"""With the two-process launch (test_ddp_cells.py), the compiled model (test_compile_cells.py) and
+DeepSpeed's engine (test_deepspeed_cells.py)."""
+EXTERNAL = {
+    "accum_dtype": ("refused", "ConfigError: accum_dtype (ZeRO stages 2-3; exact at stages 0-1)"),
+    "post-scaling": ("refused", "ConfigError: scaling"),
+    "ddp": ("refused", "ConfigError: DistributedDataParallel (inside the engine)"),
+    "loss_fn-submodules": (
+        "refused",
+        "ConfigError: loss_fn (ZeRO stage 3, at the step: it never called the engine; exact at stages 0-2)",
+    ),
+}
+"""The external step's cells that are not exact (test_deepspeed_cells.py runs ZeRO stages 0-3)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +85,12 @@ def _pair(a: str, b: str) -> tuple[str, str]:
         return "open", "bf16 replay tolerance not argued yet"
     if "external-step" in pair and pair & {*MOE, "gradient-cache"}:
         return "n/a", "prepare_accumulator takes no balance= and is not CachedAccumulator"
+    if "external-step" in pair:
+        return EXTERNAL.get(a if b == "external-step" else b, ("exact", ""))
     if "ddp" in pair and "external-step" not in pair:
         return "exact", ""
     if "compile" in pair and not pair & {"ddp", "external-step"}:
         return "exact", ""
-    if pair & {"compile", "ddp", "external-step"}:
-        return "open", "needs the compiled / two-process / DeepSpeed harness"
     return "exact", ""
 
 
@@ -89,12 +100,12 @@ def _input(feature: str, given: str) -> tuple[str, str]:
         return "refused", "ConfigError: loss_fn (at the step: it never called the DDP model)"
     if given == "loss_fn-compiled" and feature in ("moe-exact", "batchnorm-window", "accum_dtype", "compile"):
         return "exact", ""
+    if feature == "external-step":
+        return EXTERNAL.get(given, ("exact", ""))
     if feature in ("ddp", "compile") and given != "loss_fn-compiled":
         return "exact", ""
-    if given == "loss_fn-compiled" and feature != "external-step":
+    if given == "loss_fn-compiled":
         return "open", "not run yet: each compiled-loss cell costs seconds of compiling"
-    if feature in ("compile", "ddp", "external-step") or given == "loss_fn-compiled":
-        return "open", "needs the compiled / two-process / DeepSpeed harness"
     if feature == "token-budget" and given == "tuple":
         return "refused", "PlanError: batch (split_by_tokens reads a named attention_mask)"
     if feature == "gradient-cache" and given == "loss_fn-submodules":
