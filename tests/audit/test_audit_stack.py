@@ -191,3 +191,31 @@ def test_deepspeed_rows_say_why_when_the_window_cannot_reach_their_process(
     assert set(got) == {"loop", "exact"}
     for why in got.values():
         assert isinstance(why, deepspeed.NotRun) and "must pickle" in str(why)
+
+
+def test_an_accelerator_already_in_the_process_neither_skews_the_row_nor_loses_its_state(
+    independent: dict[str, float],
+) -> None:
+    """Accelerate's state is process-wide: an Accelerator built earlier (here with k = 3 and
+    sync_each_batch) must not change how the audit's Accelerator accumulates, and keeps its own."""
+    from accelerate import Accelerator
+    from accelerate.state import GradientState
+    from accelerate.utils import GradientAccumulationPlugin
+
+    plugin = GradientAccumulationPlugin(num_steps=3, sync_each_batch=True)
+    Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
+    try:
+        workload = tiny_gpt()
+        result = audit_stack(
+            build_tiny_gpt(0), workload.batch(0), workload.loss_fn, workload.count_fn, micro_batch=MICRO
+        )
+        rows = {row.recipe: row for row in result.rows}
+        want = independent["mean_of_means"]
+        assert abs(rows["Accelerator.accumulate()"].error - want) <= 1e-9 * want
+        state = GradientState()
+        assert state.num_steps == 3 and state.plugin_kwargs.get("sync_each_batch") is True
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -78,8 +78,14 @@ def _accelerate(
     model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
 ) -> list[torch.Tensor]:
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
 
+    # the state is process-wide (each class's _shared_state): the recipe starts from none, and the
+    # process's own, an Accelerator of the caller's or of an earlier run, is given back as it was
+    singletons = (PartialState, AcceleratorState, GradientState)
+    saved = [dict(cls._shared_state) for cls in singletons]
+    for cls in singletons:
+        cls._shared_state.clear()
     recording = RecordingOptimizer(list(model.parameters()))
     try:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(micro))
@@ -89,9 +95,10 @@ def _accelerate(
                 accelerator.backward(loss_fn(prepared, mb) / count_fn(mb))
                 optimizer.step()
                 optimizer.zero_grad()
-    finally:  # the state is a process-wide singleton: leave none behind
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    finally:
+        for cls, state in zip(singletons, saved, strict=True):
+            cls._shared_state.clear()
+            cls._shared_state.update(state)
     if len(recording.received) != 1:
         raise RuntimeError(f"Accelerate stepped the optimizer {len(recording.received)} times in one window")
     return recording.received[0]
