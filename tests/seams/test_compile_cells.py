@@ -51,8 +51,9 @@ def test_compiled_cell(cell: Any) -> None:
         run_cell(row, col, compiled=True)
 
 
-@pytest.mark.parametrize("compiled", ["model", "loss_fn"])
-@pytest.mark.parametrize("mode", ["moe-lagged", "moe-micro-batch"])
+@pytest.mark.parametrize(
+    ("mode", "compiled"), [("moe-lagged", "model"), ("moe-micro-batch", "model"), ("moe-lagged", "loss_fn")]
+)
 def test_a_graph_traced_before_the_router_hooks_is_refused(mode: str, compiled: str) -> None:
     """A graph traced without the routers' hooks (here: another instance of the model class,
     compiled and run first, or run first through the compiled ``loss_fn``) would drop the
