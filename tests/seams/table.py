@@ -6,8 +6,7 @@ docs/design/seams.md prints this table.
 Outcomes: ``exact`` (the update equals an independent float64 objective, relL2 <= 1e-10, and the
 state is bitwise where a run is compared with a run), ``refused`` (the named error class, naming the
 setting, at construction), ``n/a`` (the pair cannot be formed; the reason says why), and ``open``
-(a pair the table lists but does not run yet: a compiled ``loss_fn``, and the pairs named in
-docs/design/seams.md).
+(a pair the table lists but does not run yet; none is left, and docs/design/seams.md would name one).
 """
 
 from __future__ import annotations
@@ -81,8 +80,6 @@ def _pair(a: str, b: str) -> tuple[str, str]:
         return "refused", "CacheError: scaling"
     if pair == {"token-budget", "gradient-cache"}:
         return "n/a", "a cached objective concatenates representations; trimmed widths differ"
-    if pair == {"accum_dtype", "gradient-cache"}:
-        return "open", "bf16 replay tolerance not argued yet"
     if "external-step" in pair and pair & {*MOE, "gradient-cache"}:
         return "n/a", "prepare_accumulator takes no balance= and is not CachedAccumulator"
     if "external-step" in pair:
@@ -98,14 +95,12 @@ def _input(feature: str, given: str) -> tuple[str, str]:
     if feature == "ddp" and given == "loss_fn-submodules":
         # refused at the step (loss_fn arrives there): tests/distributed/test_ddp_forward.py
         return "refused", "ConfigError: loss_fn (at the step: it never called the DDP model)"
-    if given == "loss_fn-compiled" and feature in ("moe-exact", "batchnorm-window", "accum_dtype", "compile"):
+    if given == "loss_fn-compiled" and feature != "external-step":
         return "exact", ""
     if feature == "external-step":
         return EXTERNAL.get(given, ("exact", ""))
     if feature in ("ddp", "compile") and given != "loss_fn-compiled":
         return "exact", ""
-    if given == "loss_fn-compiled":
-        return "open", "not run yet: each compiled-loss cell costs seconds of compiling"
     if feature == "token-budget" and given == "tuple":
         return "refused", "PlanError: batch (split_by_tokens reads a named attention_mask)"
     if feature == "gradient-cache" and given == "loss_fn-submodules":

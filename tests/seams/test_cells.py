@@ -5,10 +5,22 @@ Tolerances: float64 cells 1e-10 relL2 on each window's update (the same sums in 
 rounding ~1e-16 per term over a few hundred terms, and SGD(lr=1)'s p - g rounds at |p| * 1e-16, a
 few 1e-15 of |g| here). BatchNorm's running statistics 1e-12 absolute, as in
 tests/equivalence/test_batchnorm_window.py. ``accum_dtype`` runs a bfloat16 model: its forward and
-backward round at 2^-9 per operation over a dozen operations and the stored update rounds |p| at
-2^-9, so its update is held to 5e-2 of the float64 objective's, and the exactness this cell can
-prove is the dtype path: every micro-batch after a window's first finds the float32 sum in .grad
+backward round at up to u = 2^-8 = 3.9e-3 per operation (8 significant bits) over about a dozen
+operations, errors that grow like sqrt(12) u = 1.4e-2 when the roundings are independent (12 u =
+4.7e-2 if every one fell the same way), and SGD(lr=1)'s stored p - g rounds at |p - g| u on top
+(|p| and |g| are of one order here). Its update is held to 5e-2 of the float64 objective's,
+3.5 times the independent estimate and 3 times the 1.5e-2 to 1.7e-2 measured; the exactness this
+cell can prove is the dtype path: every micro-batch after a window's first finds the float32 sum in .grad
 (a bf16 accumulation would leave .grad in bfloat16). Skipped windows and resume: bitwise.
+
+Gradient caching (one process, dict micro-batches) is also held bitwise to the same objective
+without the cache: an Accumulator whose loss_fn sums the squares of the same representations per
+micro-batch. The replay repeats the first pass's forward on the same kernels, so R is the first
+pass's to the bit; the cached G = dL/dR = (1/N)(2R) is the float64 product the uncached backward
+forms at R, and d<R, G>/dR = G exactly; from R down, the same operations on the same tensors, and
+the replays add into .grad in micro-batch order. So with ``accum_dtype`` on a bfloat16 model the
+cache adds no rounding to that of ``accum_dtype`` alone (its tolerance above), and a cache that
+summed the replays in bfloat16 fails the bitwise check.
 """
 
 from __future__ import annotations
@@ -95,13 +107,16 @@ class Run:
             return CachedAccumulator(net, opt, **extra, **self.settings())
         return Accumulator(net, opt, balance=balance, **self.settings())
 
-    def loss_fn(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
-        if self.bf16 and torch.is_grad_enabled():  # a training forward, not MoE's routing pass
+    def _forward(self) -> None:
+        if self.bf16 and torch.is_grad_enabled():  # a training forward (or a replay), not a pass without one
             if self.calls > 0:  # the float32 sum of the earlier micro-batches
                 self.widths.append(self.model.lin.weight.grad.dtype)
             self.calls += 1
+
+    def loss_fn(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
+        self._forward()
         if self.given == "loss_fn-compiled":
-            return _compiled_loss()(model, mb)
+            return _compiled(s.loss_via_model)(model, mb)
         if self.given == "loss_fn-submodules":
             return s.loss_via_submodules(getattr(model, "module", model), mb)
         return s.loss_via_model(model, mb)
@@ -113,12 +128,14 @@ class Run:
         self.calls = 0
         if "gradient-cache" in self.feats:
             n = self.total or sum(int(mb["attention_mask"].sum()) for mb in window)
+            compiled = self.given == "loss_fn-compiled"  # the encoder and the objective compiled
+            rows, objective = (_compiled(_rows), _compiled(_objective)) if compiled else (_rows, _objective)
 
             def encode(m: torch.nn.Module, mb: Any) -> torch.Tensor:
-                x, y, mask = s.fields(mb)
-                return ((m(x) - y) * mask[..., None]).reshape(-1, 2)
+                self._forward()
+                return rows(m, mb)
 
-            return acc.step(mbs, encode, lambda reps: reps.pow(2).sum() / n, count_fn=s.count)
+            return acc.step(mbs, encode, lambda reps: objective(reps, n), count_fn=s.count)
         return acc.step(mbs, self.loss_fn, s.count)
 
     def checked(self, windows: list[list[dict[str, torch.Tensor]]]) -> list[float]:
@@ -144,14 +161,25 @@ class Run:
         return errors
 
 
-_COMPILED: list[Any] = []
+def _rows(model: torch.nn.Module, mb: Any) -> torch.Tensor:
+    """The cached objective's representations: the masked residuals, one row per position."""
+    x, y, mask = s.fields(mb)
+    return ((model(x.to(next(model.parameters()).dtype)) - y) * mask[..., None]).reshape(-1, 2)
 
 
-def _compiled_loss() -> Any:
-    """``scenario.loss_via_model`` under ``torch.compile`` (aot_eager), compiled once per process."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(s.loss_via_model, backend="aot_eager"))
-    return _COMPILED[0]
+def _objective(reps: torch.Tensor, n: int) -> torch.Tensor:
+    """The cached objective: the masked squared error summed over the window, over N."""
+    return reps.pow(2).sum() / n
+
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def _compiled(fn: Any) -> Any:
+    """``fn`` under ``torch.compile`` (aot_eager), compiled once per process."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, backend="aot_eager")
+    return _COMPILED[fn]
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -169,6 +197,12 @@ def run_cell(row: str, col: str, compiled: bool = False) -> list[float]:
     run = Run(feats, given, compiled=compiled)
     errors = run.checked(windows)
     straight = _state(run.model)
+    if "gradient-cache" in feats and given == "dict" and not compiled:
+        # the same objective without the cache, its loss summed per micro-batch: bitwise (below)
+        plain = Run(feats - {"gradient-cache"}, given)
+        for window in windows:
+            plain.acc.step(window, lambda m, mb: _rows(m, mb).pow(2).sum(), s.count)
+        assert _equal(_state(plain.model), straight)
     if given == "skipped-window":  # a skipped window leaves every state as it was: bitwise
         other = Run(feats, given, compiled=compiled)
         other.step(other.acc, windows[0])

@@ -1,7 +1,9 @@
 """The ``compile`` cells of tests/seams/table.py: the cell's scenario with its model under
 ``torch.compile`` (aot_eager: dynamo's graphs and AOT autograd, no C++ toolchain here), held to
 the same float64 objective as test_cells.py with the same tolerances (compiled float64 kernels sum
-in another order: rounding only).
+in another order: rounding only). The ``loss_fn-compiled`` cells compile the ``loss_fn`` instead
+(under gradient caching the encoder and the objective over the representations), one compiled
+function for every cell; the ``ddp`` one runs in test_ddp_cells.py's launch.
 
 Dynamo keeps the graphs it traced per code object and does not guard module hooks, so a cell
 whose step registers other hooks than the previous cell's (the routers', BatchNorm's window,
@@ -49,18 +51,22 @@ def test_compiled_cell(cell: Any) -> None:
         run_cell(row, col, compiled=True)
 
 
-@pytest.mark.parametrize("mode", ["moe-lagged", "moe-micro-batch"])
-def test_a_graph_traced_before_the_router_hooks_is_refused(mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "compiled"), [("moe-lagged", "model"), ("moe-micro-batch", "model"), ("moe-lagged", "loss_fn")]
+)
+def test_a_graph_traced_before_the_router_hooks_is_refused(mode: str, compiled: str) -> None:
     """A graph traced without the routers' hooks (here: another instance of the model class,
-    compiled and run first) would drop the balancing term silently (relL2 0.095 before the
-    check); the step refuses the window by name, before any update."""
+    compiled and run first, or run first through the compiled ``loss_fn``) would drop the
+    balancing term silently (relL2 0.095 without the check, either way); the step refuses the
+    window by name, before any update."""
     torch.compiler.reset()
-    plain = Run(set(), "dict", compiled=True)
-    plain.step(plain.acc, _windows(set(), "dict")[0])
-    run = Run({mode}, "dict", compiled=True)
+    given = "loss_fn-compiled" if compiled == "loss_fn" else "dict"
+    plain = Run(set(), given, compiled=compiled == "model")
+    plain.step(plain.acc, _windows(set(), given)[0])
+    run = Run({mode}, given, compiled=compiled == "model")
     before = [p.detach().clone() for p in run.model.parameters()]
     with pytest.raises(ConfigError, match=r"LoadBalance.routers \[0\]"):
-        run.step(run.acc, _windows({mode}, "dict")[0])
+        run.step(run.acc, _windows({mode}, given)[0])
     assert all(torch.equal(p, b) for p, b in zip(run.model.parameters(), before, strict=True))
     torch.compiler.reset()
     _traced.clear()

@@ -76,8 +76,8 @@ def balanced_forward(
             f"LoadBalance.routers {silent} ran no forward hook in micro-batch {index}'s training forward, "
             "so their balancing term would be zero. A torch.compile graph traced before the step registered "
             "its router hooks runs without them (dynamo does not guard module hooks): build the Accumulator "
-            "before the compiled model's first forward, or call torch.compiler.reset() after building it; "
-            "or the loss_fn does not run those routers."
+            "before the first call of the compiled model (or compiled loss_fn), or call "
+            "torch.compiler.reset() after building it; or the loss_fn does not run those routers."
         )
     term, rejected = balance.term(window, index, mb, records)
     return loss, term, rejected
