@@ -154,15 +154,16 @@ def counts_on_host(counts: list[int | torch.Tensor]) -> int | None:
     counts take (:func:`sum_counts`): four small ops a window fewer.
     """
     tensors = [c for c in counts if not isinstance(c, int)]
+    ints = sum(c for c in counts if isinstance(c, int))  # as_count refused negative ones
     if not tensors:
-        return sum(c for c in counts if isinstance(c, int))
+        return ints
     if tensors[0].device.type != "cpu":
         return None
     stacked = torch.stack(tensors)  # one device (stack refuses two); as_count: one element each
     read = comm.read_cpu(stacked if stacked.ndim == 1 else stacked.flatten())
     if min(read) < 0:
         raise CountError("count_fn returned a negative count; no update was applied")
-    return sum(read) if len(read) == len(counts) else sum(read) + sum(c for c in counts if isinstance(c, int))
+    return sum(read) + ints
 
 
 def check_skips(consecutive: int, limit: int | None, reason: str) -> None:
