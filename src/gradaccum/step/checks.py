@@ -153,11 +153,12 @@ def counts_on_host(counts: list[int | torch.Tensor]) -> int | None:
     One stack and one read for the tensors, instead of the device sum, smallest and W/N a device's
     counts take (:func:`sum_counts`): four small ops a window fewer.
     """
-    tensors = [c for c in counts if not isinstance(c, int)]
-    ints = sum(c for c in counts if isinstance(c, int))  # as_count refused negative ones
+    tensors = [c for c in counts if isinstance(c, torch.Tensor)]
+    # as_count refused negative ints
+    ints = 0 if len(tensors) == len(counts) else sum([c for c in counts if isinstance(c, int)])
     if not tensors:
         return ints
-    if tensors[0].device.type != "cpu":
+    if not tensors[0].is_cpu:
         return None
     stacked = torch.stack(tensors)  # one device (stack refuses two); as_count: one element each
     read = comm.read_cpu(stacked if stacked.ndim == 1 else stacked.flatten())

@@ -97,6 +97,7 @@ from gradaccum.step.window import (
     Observer,
     WindowCount,
 )
+from gradaccum.step.zeroing import gradient_clearer
 
 __all__ = ["WindowEngine"]
 
@@ -159,7 +160,8 @@ class WindowEngine:
         self._params = list(model.parameters())
         self._uniform = uniform_plain(self._params)  # a gradient has its parameter's device and dtype
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._params_outside_optimizer = [p for p in self._params if id(p) not in in_optimizer]
+        outside = [p for p in self._params if id(p) not in in_optimizer]
+        self._clear_grads = gradient_clearer(optimizer, outside)  # optimizer.zero_grad's effect
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._distributed = dist.is_distributed(dp_group)
@@ -578,12 +580,9 @@ class WindowEngine:
     # -- helpers --------------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._clear_grads()  # also of parameters outside the optimizer: frozen, optimized apart
         for part in self._windowed:  # every abandoned or skipped window passes here
             part.discard()
-        if self._params_outside_optimizer:  # e.g. frozen or separately optimized parameters
-            for p in self._params_outside_optimizer:
-                p.grad = None
 
     def close(self) -> None:
         """Leave the model as found (:mod:`gradaccum.step.lifetime`); idempotent."""
