@@ -32,6 +32,7 @@ __all__ = [
     "broadcasts_buffers",
     "check_sync_on",
     "ddp_forward_checked",
+    "forward_called",
     "fsdp2_sync_flags",
     "needs_every_parameter",
     "no_grad_sync",
@@ -225,6 +226,19 @@ def broadcasts_buffers(synced: Any, kind: str) -> bool:
 _Piece = TypeVar("_Piece")
 
 
+def forward_called(module: nn.Module, call: Callable[[], _Piece]) -> tuple[_Piece, bool]:
+    """``call()``'s result, and whether it ran ``module``'s forward: a wrapper (DDP, a DeepSpeed
+    engine) prepares a micro-batch's reduction there, which a call of its submodules skips. A
+    forward pre-hook, registered for this call only, tells."""
+    ran: list[bool] = []
+    handle = module.register_forward_pre_hook(lambda _module, _args: ran.append(True))
+    try:
+        result = call()
+    finally:
+        handle.remove()
+    return result, bool(ran)
+
+
 def ddp_forward_checked(
     model: nn.Module, kind: SyncKind, contribute: Callable[..., _Piece]
 ) -> Callable[..., _Piece]:
@@ -244,12 +258,7 @@ def ddp_forward_checked(
     def checked(index: int, micro_batch: Any, *rest: Any) -> _Piece:
         if not getattr(ddp, "require_backward_grad_sync", True):  # deferred: nothing to prepare
             return contribute(index, micro_batch, *rest)
-        ran: list[bool] = []
-        handle = ddp.register_forward_pre_hook(lambda module, args: ran.append(True))
-        try:
-            piece = contribute(index, micro_batch, *rest)
-        finally:
-            handle.remove()
+        piece, ran = forward_called(ddp, lambda: contribute(index, micro_batch, *rest))
         if not ran:
             raise ConfigError(
                 f"micro-batch {index} synchronizes gradients, but loss_fn never called the "

@@ -60,6 +60,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from gradaccum.distributed import dist
+from gradaccum.distributed.sync import forward_called
 from gradaccum.errors import ConfigError, SyncError
 from gradaccum.step.checks import check_loss, unmean
 from gradaccum.step.config import AccumConfig, StepResult
@@ -191,12 +192,7 @@ def engine_forward_checked(engine: Any, stage: int, loss_fn: Any, micro_batch: A
     """
     if stage != 3:
         return loss_fn(engine, micro_batch)
-    ran: list[bool] = []
-    handle = engine.register_forward_pre_hook(lambda module, args: ran.append(True))
-    try:
-        loss = loss_fn(engine, micro_batch)
-    finally:
-        handle.remove()
+    loss, ran = forward_called(engine, lambda: loss_fn(engine, micro_batch))
     if not ran:
         raise ConfigError(
             f"micro-batch {index}: loss_fn never called the DeepSpeed engine. At ZeRO stage 3 the "
