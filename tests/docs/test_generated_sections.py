@@ -39,7 +39,10 @@ def test_the_pages_that_show_scripts_hold_them_whole() -> None:
         page.relative_to(DOCS).as_posix(): generate.section_names(page.read_text(encoding="utf-8"))
         for page in generate.committed_pages()
     }
-    assert shown["distributed.md"] == ["include examples/ddp_accumulate.py", "include examples/mesh_accumulate.py"]
+    assert shown["distributed.md"] == [
+        "include examples/ddp_accumulate.py",
+        "include examples/mesh_accumulate.py",
+    ]
     assert shown["integrations.md"] == ["include examples/deepspeed_accumulate.py"]
     assert shown["rl.md"] == ["include examples/grpo_exact.py"]
     assert shown["design/modules.md"] == ["module index"]
@@ -59,7 +62,9 @@ def test_every_generated_section_is_up_to_date() -> None:
 
 def test_a_stale_section_is_rewritten_and_an_unknown_one_refused(tmp_path: Path) -> None:
     generate = _generate()
-    begin = "<!-- BEGIN generated: {} (python docs/generate.py --committed writes it; tests/docs checks it) -->"
+    begin = (
+        "<!-- BEGIN generated: {} (python docs/generate.py --committed writes it; tests/docs checks it) -->"
+    )
     page = f"before\n\n{begin.format('include examples/ddp_accumulate.py')}\n\nold text\n\n"
     page += "<!-- END generated: include examples/ddp_accumulate.py -->\n\nafter\n"
     filled = generate.fill_sections(page)

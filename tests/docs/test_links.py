@@ -59,7 +59,10 @@ def test_a_broken_file_or_anchor_is_found(tmp_path: Path) -> None:
         "`[not a link](missing.md)`\n\n```text\n[fenced](missing.md)\n```\n",
         encoding="utf-8",
     )
-    assert _broken(page) == ["missing.md (no such file)", "there.md#nowhere (no heading or anchor #nowhere there)"]
+    assert _broken(page) == [
+        "missing.md (no such file)",
+        "there.md#nowhere (no heading or anchor #nowhere there)",
+    ]
 
 
 def test_anchors_follow_the_sites_slugs() -> None:
@@ -69,7 +72,7 @@ def test_anchors_follow_the_sites_slugs() -> None:
     assert slug("Meshes: FSDP2 x tensor x context x pipeline parallel") == (
         "meshes-fsdp2-x-tensor-x-context-x-pipeline-parallel"
     )
-    assert anchors("# A\n\n## B\n\n## B\n\n<a id=\"verify\"></a>\n```\n# not a heading\n```\n") == {
+    assert anchors('# A\n\n## B\n\n## B\n\n<a id="verify"></a>\n```\n# not a heading\n```\n') == {
         "a",
         "b",
         "b_1",

@@ -60,7 +60,9 @@ def test_the_page_is_in_the_navigation_and_the_index_lists_every_module() -> Non
 
 def test_every_benchmark_script_is_on_the_benchmarks_page() -> None:
     text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
-    missing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"`benchmarks/{p.name}`" not in text]
+    missing = [
+        p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"`benchmarks/{p.name}`" not in text
+    ]
     assert missing == [], f"docs/benchmarks.md does not say what these do: {missing}"
 
 

@@ -182,7 +182,8 @@ def _checked_run(proc: subprocess.CompletedProcess[str]) -> str:
 def _run_example(name: str, processes: int, timeout_s: int) -> str:
     """Run docs/examples/NAME under torchrun as the page says and check what it prints
     (:func:`_checked_run`). Returns its output."""
-    assert f"BEGIN generated: include examples/{name} " in (DOCS / "distributed.md").read_text(encoding="utf-8")
+    page = (DOCS / "distributed.md").read_text(encoding="utf-8")
+    assert f"BEGIN generated: include examples/{name} " in page
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     proc = subprocess.run(
         [*launch, str(processes), str(DOCS / "examples" / name)],
