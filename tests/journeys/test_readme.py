@@ -59,8 +59,10 @@ def test_every_command_is_in_its_table() -> None:
 
 def test_its_snippets_pass_shift_explicitly() -> None:
     code, _ = _example()
-    for call in re.findall(r"(?:count_tokens|summed_cross_entropy)\((.*?)\)\s*(?:#|$)", code, re.M):
-        assert "shift=" in call, call
+    calls = re.findall(r"(count_tokens|summed_cross_entropy)\((.*?)\)\s*(?:#|$)", code, re.M)
+    assert sorted(name for name, _ in calls) == ["count_tokens", "summed_cross_entropy"]
+    for name, arguments in calls:
+        assert "shift=True" in arguments, f"{name}({arguments}): a causal LM's labels shift by one"
 
 
 @pytest.mark.timeout(120)
