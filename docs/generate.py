@@ -3,7 +3,14 @@ and the API reference. ``make docs`` runs this, then ``mkdocs build --strict``; 
 show is pasted: every line of output and every plot comes from running the command now, on the
 bundled defaults, in a scratch folder.
 
+It also fills the generated sections of committed pages, between ``<!-- BEGIN generated: NAME ...
+-->`` and ``<!-- END generated: NAME -->``: ``include examples/FILE.py`` (the script, so that the
+page reads whole as plain Markdown too) and ``module index`` (every module of ``src/gradaccum``
+with the first sentence of its docstring). ``tests/docs/test_generated_sections.py`` fails when one
+differs from what this writes.
+
     .venv/bin/python docs/generate.py [--fast]
+    .venv/bin/python docs/generate.py --committed   # only the committed pages' sections: seconds
 
 ``--fast`` shortens the measuring commands (fewer steps and runs); the figures then say so.
 """
@@ -11,7 +18,9 @@ bundled defaults, in a scratch folder.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +32,7 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent
 COMMANDS = DOCS / "commands"
 IMAGES = COMMANDS / "img"
+PACKAGE = DOCS.parent / "src" / "gradaccum"
 
 
 @dataclass(frozen=True)
@@ -206,10 +216,103 @@ def reference() -> str:
     return "\n".join(lines)
 
 
+# -- generated sections of committed pages ----------------------------------------------------------
+
+_SECTION = re.compile(
+    r"^(<!-- BEGIN generated: (?P<name>[^(]+?) \(python docs/generate.py --committed writes it; "
+    r"tests/docs checks it\) -->\n)(?P<body>.*?)^(<!-- END generated: (?P=name) -->)$",
+    re.S | re.M,
+)
+
+
+def _first_sentence(docstring: str) -> str:
+    """The first sentence of a docstring's first paragraph, its reST roles as Markdown code."""
+    paragraph = " ".join(docstring.strip().split("\n\n")[0].split())
+    match = re.match(r"(.+?[.!?])(?:\s|$)", paragraph)
+    text = match.group(1) if match else paragraph
+    text = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"`\1`", text)  # :class:`~a.b.C` -> `C`
+    return text.replace("``", "`").replace("|", "\\|")
+
+
+def module_index() -> str:
+    """Every module of ``src/gradaccum``, grouped by folder, with its docstring's first sentence."""
+    groups: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        relative = path.relative_to(PACKAGE)
+        folder = relative.parent.as_posix()
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        summary = _first_sentence(docstring) if docstring else "(no docstring)"
+        groups.setdefault(folder, []).append(f"| `{relative.name}` | {summary} |")
+    lines: list[str] = []
+    for folder, rows in groups.items():
+        title = "`src/gradaccum/`" if folder == "." else f"`{folder}/`"
+        lines += [f"### {title}", "", "| module | what it does |", "|---|---|", *rows, ""]
+    return "\n".join(lines).rstrip()
+
+
+def include(name: str) -> str:
+    """A script of ``docs/`` shown whole on a page, as a fenced block titled with its path."""
+    path = DOCS / name
+    if not path.is_file():
+        raise SystemExit(f"docs: a page includes {name}, which is not in docs/")
+    text = path.read_text(encoding="utf-8").rstrip("\n")
+    return f'```python title="docs/{name}"\n{text}\n```'
+
+
+def generated_section(name: str) -> str:
+    """What the section called ``name`` holds: ``module index`` or ``include PATH``."""
+    if name == "module index":
+        return module_index()
+    if name.startswith("include "):
+        return include(name.removeprefix("include "))
+    raise SystemExit(f"docs: unknown generated section {name!r}")
+
+
+def fill_sections(text: str) -> str:
+    """``text`` with every generated section rewritten from the tree."""
+
+    def fill(match: re.Match[str]) -> str:
+        body = generated_section(match.group("name"))
+        return f"{match.group(1)}\n{body}\n\n{match.group(4)}"
+
+    return _SECTION.sub(fill, text)
+
+
+def section_names(text: str) -> list[str]:
+    return [m.group("name") for m in _SECTION.finditer(text)]
+
+
+def committed_pages() -> list[Path]:
+    """The committed pages that hold a generated section."""
+    pages = sorted(p for p in DOCS.rglob("*.md") if COMMANDS not in p.parents)
+    return [p for p in pages if section_names(p.read_text(encoding="utf-8"))]
+
+
+def fill_committed_pages() -> list[Path]:
+    """Rewrite every committed page's generated sections; returns the pages that changed."""
+    changed = []
+    for page in committed_pages():
+        text = page.read_text(encoding="utf-8")
+        filled = fill_sections(text)
+        if filled != text:
+            page.write_text(filled, encoding="utf-8")
+            changed.append(page)
+    return changed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help="shorter measuring runs")
+    parser.add_argument(
+        "--committed", action="store_true", help="only rewrite the committed pages' generated sections"
+    )
     args = parser.parse_args()
+    for page in fill_committed_pages():
+        print(f"docs: rewrote the generated sections of {page.relative_to(DOCS)}", flush=True)
+    if args.committed:
+        return
     shutil.rmtree(COMMANDS, ignore_errors=True)
     IMAGES.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="gradaccum-docs-") as tmp:

@@ -1,5 +1,5 @@
-"""The Workload contract where a user looks: the README's complete example runs, and every field's
-documentation shows in ``help(gradaccum.Workload)``."""
+"""The Workload contract where a user looks: the workloads page's complete example runs from the
+command line, and every field's documentation shows in ``help(gradaccum.Workload)``."""
 
 from __future__ import annotations
 
@@ -15,18 +15,18 @@ import gradaccum
 from gradaccum.cli.main import main
 from gradaccum.fielddocs import field_docs
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+WORKLOADS = Path(__file__).resolve().parents[2] / "docs" / "workloads.md"
 
 
 def _example() -> str:
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Workloads") : text.index("## Normalization and packing")]
+    text = WORKLOADS.read_text(encoding="utf-8")
+    section = text[text.index("## Your own") : text.index("## From a model folder")]
     start = section.index("A complete workload")
     (code,) = re.findall(r"```python\n(.*?)```", section[start:], flags=re.S)[:1]
     return code
 
 
-def test_the_readme_example_verifies(
+def test_the_workloads_page_example_verifies(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "my_workload.py").write_text(_example(), encoding="utf-8")

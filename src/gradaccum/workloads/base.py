@@ -62,7 +62,7 @@ class Workload:
     ...         name="my-lm", build_model=build, make_batch=batches,
     ...         loss_fn=loss.loss_fn, count_fn=loss.count_fn, unit=loss.unit)
 
-    The README's "Workloads" section has a complete, runnable example.
+    docs/workloads.md ("Your own") has a complete, runnable example.
     """
 
     name: str
