@@ -48,9 +48,9 @@ def model_mean(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def test_an_unshifted_count_under_a_shifted_loss_fails_naming_the_shift() -> None:
     data = batch()
-    wrong = verify(gpt2, data, shifted_sum, count_tokens("labels"), micro_batch=2)
+    wrong = verify(gpt2, data, shifted_sum, count_tokens("labels", shift=False), micro_batch=2)
     assert not wrong.passed
-    counted = int(count_tokens("labels")(data))
+    counted = int(count_tokens("labels", shift=False)(data))
     used = int(count_tokens("labels", shift=True)(data))
     assert counted - used == 8  # one per row: the 8.3 % of the example
     cause = wrong.likely_causes[0]
