@@ -7,7 +7,7 @@ and measures it, which settles some findings:
 * what gradaccum's own path removes is a note that says so (:meth:`Finding.handled`): in-batch
   negatives under the gradient cache (``--cached``); a router's per-forward balancing statistics
   under the window's exact load balance (``LoadBalance`` mode ``exact``, whose term the balance
-  check measured against the full batch's objective), or with the balancing term off as asked;
+  check measured against the full batch's objective);
 * a router balanced by an approximate mode (``lagged``, ``micro-batch``) as asked is a warning
   naming how far that mode is from exact;
 * any other ``error`` finding under a stage 1 that measured the update within its tolerance is a
@@ -43,15 +43,9 @@ def _cached(finding: Finding) -> Finding:
 
 
 def _balanced(finding: Finding, mode: str, balance: BalanceReport | None) -> Finding:
-    """A router finding under the load balance ``mode`` the command runs (``off``: none)."""
-    if mode == "off":
-        return finding.handled(
-            "the balance being off (--balance off)",
-            explanation="No balancing term is trained (the model's own per-forward term is turned off "
-            "too), so each token's experts depend on that token alone and the update is exact.",
-            fix="None needed while the balance is off; to balance the experts, --balance exact.",
-        )
-    if balance is None:
+    """A router finding under the load balance ``mode`` the command runs. Under ``off`` nothing of
+    gradaccum's balances it: the measurement alone settles it (see :func:`settle_findings`)."""
+    if balance is None or mode == "off":
         return finding
     exact = balance.errors["exact"]
     if mode == "exact" and balance.passed:
