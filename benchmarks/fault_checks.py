@@ -32,7 +32,7 @@ from gradaccum.loss import count_tokens
 from gradaccum.step.agreement import raise_alone
 
 K = 4
-count = count_tokens("labels")
+count = count_tokens("labels", shift=False)
 SHIPPED = step_module.agree_before_backward
 
 

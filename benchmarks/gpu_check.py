@@ -102,7 +102,7 @@ def _autocast(dtype_name: str, bound: float) -> PathResult:
     from gradaccum.loss import count_tokens
 
     dtype = getattr(torch, dtype_name)
-    count = count_tokens("labels")
+    count = count_tokens("labels", shift=False)
 
     def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast("cuda", dtype=dtype):
@@ -150,7 +150,7 @@ def _memory() -> PathResult:
     model = build_tiny_gpt(0).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _, window = _gpt_window("cuda")
-    count = count_tokens("labels")
+    count = count_tokens("labels", shift=False)
     acc = Accumulator(model, optimizer)
     first = acc.step(window, gpt_loss, count)  # the AdamW state exists from here on
     saved: list[int] = []

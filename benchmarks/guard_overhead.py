@@ -21,7 +21,7 @@ from gradaccum.examples.gpt import sample_sequences
 from gradaccum.loss import count_tokens
 
 K, WINDOWS = 4, 6
-count = count_tokens("labels")
+count = count_tokens("labels", shift=False)
 
 
 def main() -> None:

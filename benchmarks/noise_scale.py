@@ -33,7 +33,7 @@ from gradaccum.examples.gpt import sample_sequences
 from gradaccum.examples.regression import RegressionPopulation, regression_count, regression_loss
 from gradaccum.loss import count_tokens
 
-count = count_tokens("labels")
+count = count_tokens("labels", shift=False)
 SIZES = ((4, 2, 24), (4, 8, 64), (64, 1, 24))
 """(k micro-batches, sequences per micro-batch, tokens per sequence), as in benchmarks/overhead.py."""
 CHECKPOINTS = (10, 25, 50, 100, 200, 400)

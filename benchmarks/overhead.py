@@ -38,7 +38,7 @@ from gradaccum.examples import build_tiny_gpt, gpt_loss
 from gradaccum.examples.gpt import sample_sequences
 from gradaccum.loss import count_tokens, summed_cross_entropy
 
-count = count_tokens("labels")
+count = count_tokens("labels", shift=False)
 SIZES = ((4, 2, 24), (4, 8, 64), (64, 1, 24))
 """(k micro-batches, sequences per micro-batch, tokens per sequence)."""
 
@@ -92,7 +92,7 @@ def post_by_hand(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable
 
 def _mean_loss(model: torch.nn.Module, mb: Any) -> torch.Tensor:
     logits = model(mb["input_ids"])
-    return summed_cross_entropy(logits, mb["labels"]) / count(mb)
+    return summed_cross_entropy(logits, mb["labels"], shift=False) / count(mb)
 
 
 def _peers(window: list[Any]) -> dict[str, Callable[[], object]]:

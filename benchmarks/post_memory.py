@@ -27,7 +27,7 @@ from gradaccum.examples import build_tiny_gpt, gpt_loss
 from gradaccum.examples.gpt import sample_sequences
 from gradaccum.loss import count_tokens
 
-count = count_tokens("labels")
+count = count_tokens("labels", shift=False)
 SEQUENCES, TOKENS = 2, 24  # each micro-batch: 2 sequences x 24 tokens
 
 

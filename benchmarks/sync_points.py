@@ -28,7 +28,7 @@ from gradaccum.examples import build_tiny_gpt, contrastive, gpt_loss
 from gradaccum.examples.gpt import sample_sequences
 from gradaccum.loss import count_tokens
 
-count = count_tokens("labels")
+count = count_tokens("labels", shift=False)
 
 
 def _window(rank: int, world: int) -> list[Any]:

@@ -33,7 +33,7 @@ def new_model() -> torch.nn.Module:
 
 
 def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    return gradaccum.summed_cross_entropy(model(mb["input_ids"]), mb["labels"])
+    return gradaccum.summed_cross_entropy(model(mb["input_ids"]), mb["labels"], shift=False)
 
 
 def main() -> int:
@@ -47,7 +47,7 @@ def main() -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     acc = gradaccum.Accumulator(model, optimizer, max_grad_norm=None)
     window = gradaccum.split(shards[rank], micro_batch=2)  # 4 micro-batches: accum_steps = 4
-    result = acc.step(window, loss_fn, gradaccum.count_tokens("labels"))
+    result = acc.step(window, loss_fn, gradaccum.count_tokens("labels", shift=False))
 
     # the reference: one process, the whole global batch in one backward, the same SGD step
     reference = new_model().to(device)

@@ -35,7 +35,7 @@ def new_model() -> torch.nn.Module:
 
 
 def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    return gradaccum.summed_cross_entropy(model(mb["input_ids"]), mb["labels"])
+    return gradaccum.summed_cross_entropy(model(mb["input_ids"]), mb["labels"], shift=False)
 
 
 def main() -> int:
@@ -55,7 +55,7 @@ def main() -> int:
     engine, *_ = deepspeed.initialize(model=new_model(), config=config)
     acc = prepare_accumulator(engine)
     window = gradaccum.split(shards[rank], micro_batch=2)  # 4 micro-batches
-    result = acc.step(window, loss_fn, gradaccum.count_tokens("labels"))
+    result = acc.step(window, loss_fn, gradaccum.count_tokens("labels", shift=False))
     named = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(named):  # ZeRO-3: every rank reads the full parameters
         got = [p.detach().double().clone() for p in named]

@@ -46,7 +46,7 @@ def batch_of(seed: int, rows: int = 6, length: int = 10) -> dict[str, torch.Tens
 
 
 def loss_fn(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    return gradaccum.summed_cross_entropy(model(mb["ids"]), mb["labels"])
+    return gradaccum.summed_cross_entropy(model(mb["ids"]), mb["labels"], shift=False)
 
 
 def main() -> int:
@@ -60,7 +60,7 @@ def main() -> int:
 
     shard = mesh.get_coordinate()[0]  # TP ranks of one data shard get the same rows
     window = gradaccum.split(batch_of(seed=shard), micro_batch=2)  # 3 micro-batches
-    result = acc.step(window, loss_fn, gradaccum.count_tokens("labels"))
+    result = acc.step(window, loss_fn, gradaccum.count_tokens("labels", shift=False))
 
     # the reference: one process, both shards' rows in one backward, clipped, one SGD step
     reference = MLPLM()

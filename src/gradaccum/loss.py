@@ -4,6 +4,22 @@ The exact rule needs each micro-batch's *summed* loss and the window's *global* 
 that loss is summed over. These helpers give both for the common cases: causal-LM labels with an
 ``ignore_index`` (shifted or not), one unit per example, and :class:`CausalLMLoss`, whose three
 normalizations (token, sequence, document) each define their own unit.
+
+The shift, one convention for every helper here:
+
+* ``shift=True``: the labels equal the inputs, as transformers' causal LMs take them (``labels ==
+  input_ids``, padding set to ``ignore_index``). The logits at position t predict the label at t+1,
+  so each row's first label is never a target and a row of L labels holds at most L - 1 targets.
+* ``shift=False``: the labels are already aligned with the logits (the label at t is the target of
+  the logits at t), as a model that shifts its own data provides.
+
+:class:`CausalLMLoss` is a causal-LM loss by name: it shifts by default (``shift=True``), and its
+``count_fn`` and ``loss_fn`` always agree with each other. :func:`count_tokens`,
+:func:`summed_cross_entropy` and :func:`valid_tokens` take any labels, so they have no default: a
+call that omits ``shift`` is refused (:class:`~gradaccum.errors.ConfigError`) naming it, because
+the wrong guess is silently one target per row off. Count and sum with the same value:
+``count_tokens("labels", shift=True)`` counts exactly the positions
+``summed_cross_entropy(logits, labels, shift=True)`` and ``CausalLMLoss("token")`` sum over.
 """
 
 from __future__ import annotations
@@ -39,15 +55,34 @@ IGNORE_INDEX = -100
 """PyTorch's default ``ignore_index`` for cross-entropy: label positions that do not count."""
 
 
+_SHIFT_HELP = (
+    "shift=True for labels equal to the inputs, as Hugging Face causal LMs take them (the logits at t "
+    "predict the label at t+1, so each row's first label is never a target); shift=False for labels "
+    "already aligned with the logits. Count and sum with the same value (see gradaccum.loss)"
+)
+"""What each value of ``shift`` is for, as the refusal of an omitted ``shift`` says it."""
+
+
+def _require_shift(shift: bool | None, who: str) -> bool:
+    """``shift`` as given to ``who``, refused (:class:`ConfigError`) when omitted or not a bool."""
+    if shift is None:
+        raise ConfigError(f"{who}: give shift explicitly, it has no default: {_SHIFT_HELP}")
+    if not isinstance(shift, bool):
+        raise ConfigError(f"{who}: shift must be True or False, got {shift!r}: {_SHIFT_HELP}")
+    return shift
+
+
 def valid_tokens(
-    labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX, shift: bool = False
+    labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX, shift: bool | None = None
 ) -> torch.Tensor:
     """Number of label positions that contribute to a token loss, as a 0-dim int64 tensor.
 
-    ``shift=True`` is for unshifted causal-LM labels (labels == inputs, as in Hugging Face models):
-    position 0 of each row predicts nothing, so it is not counted. ``shift=False`` is for labels that
-    are already aligned with the logits. The count stays on the labels' device (no host sync).
+    ``shift`` must be given (see the module's docstring): ``True`` for unshifted causal-LM labels
+    (labels == inputs, as in Hugging Face models), where position 0 of each row predicts nothing and
+    is not counted; ``False`` for labels already aligned with the logits. The count stays on the
+    labels' device (no host sync).
     """
+    shift = _require_shift(shift, "valid_tokens")
     _check_label_dtype(labels, ignore_index)
     if shift:
         labels = labels[..., 1:]
@@ -63,9 +98,17 @@ def _check_label_dtype(labels: torch.Tensor, ignore_index: int) -> None:
 
 
 def count_tokens(
-    key: str | int = "labels", *, ignore_index: int = IGNORE_INDEX, shift: bool = False
+    key: str | int = "labels", *, ignore_index: int = IGNORE_INDEX, shift: bool | None = None
 ) -> Callable[[Any], torch.Tensor]:
-    """A ``count_fn`` counting valid tokens of ``micro_batch[key]`` (see :func:`valid_tokens`)."""
+    """A ``count_fn`` counting valid tokens of ``micro_batch[key]`` (see :func:`valid_tokens`).
+
+    ``shift`` must be given, as in the loss that sums over them: ``count_tokens("labels",
+    shift=True)`` for labels equal to the inputs (a Hugging Face causal LM; what
+    ``summed_cross_entropy(..., shift=True)`` and :class:`CausalLMLoss` sum over),
+    ``shift=False`` for labels already aligned with the logits. Omitting it is refused here, at the
+    call, not at the first micro-batch.
+    """
+    shift = _require_shift(shift, f"count_tokens({key!r})")
 
     def count_fn(micro_batch: Any) -> torch.Tensor:
         named = fields(micro_batch) if isinstance(key, str) else None
@@ -91,14 +134,18 @@ def summed_cross_entropy(
     labels: torch.Tensor,
     *,
     ignore_index: int = IGNORE_INDEX,
-    shift: bool = False,
+    shift: bool | None = None,
 ) -> torch.Tensor:
     """Cross-entropy summed over valid positions: the numerator of the token-mean loss.
+
+    ``shift`` must be given (see the module's docstring): ``True`` drops the last logits and the
+    first label of each row (labels equal to the inputs), ``False`` takes them as aligned. Count
+    with the same value (``count_tokens("labels", shift=...)``).
 
     A micro-batch with no valid position gives an exact zero whose gradient is zero (not NaN), so
     an all-padding micro-batch contributes nothing.
     """
-    if shift:
+    if _require_shift(shift, "summed_cross_entropy"):
         logits = logits[..., :-1, :]
         labels = labels[..., 1:]
     flat = logits.reshape(-1, logits.shape[-1])
@@ -186,8 +233,9 @@ class CausalLMLoss:
     normalization: Normalization = "token"
     """``"token"``, ``"sequence"`` or ``"document"``: the denominator of the mean."""
     shift: bool = True
-    """True for labels equal to the inputs (transformers' causal LMs): logits at t predict the
-    label at t+1. False for labels already aligned with the logits."""
+    """True (the default: a causal LM) for labels equal to the inputs (transformers' causal LMs):
+    logits at t predict the label at t+1. False for labels already aligned with the logits. The
+    one convention of every helper in :mod:`gradaccum.loss` (its docstring)."""
     ignore_index: int = IGNORE_INDEX
     """Label value of positions that are not targets."""
     mask_documents: bool = False

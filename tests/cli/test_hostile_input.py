@@ -74,7 +74,7 @@ def float_labels() -> Workload:
 
     return _workload(
         make_batch=lambda n, seed: {**models.mlp_batch(n, seed=seed + 1), "labels": torch.zeros(n, 3)},
-        count_fn=count_tokens("labels"),
+        count_fn=count_tokens("labels", shift=False),
     )
 
 

@@ -48,9 +48,9 @@ def model_mean(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def test_an_unshifted_count_under_a_shifted_loss_fails_naming_the_shift() -> None:
     data = batch()
-    wrong = verify(gpt2, data, shifted_sum, count_tokens("labels"), micro_batch=2)
+    wrong = verify(gpt2, data, shifted_sum, count_tokens("labels", shift=False), micro_batch=2)
     assert not wrong.passed
-    counted = int(count_tokens("labels")(data))
+    counted = int(count_tokens("labels", shift=False)(data))
     used = int(count_tokens("labels", shift=True)(data))
     assert counted - used == 8  # one per row: the 8.3 % of the example
     cause = wrong.likely_causes[0]
@@ -62,10 +62,20 @@ def test_an_unshifted_count_under_a_shifted_loss_fails_naming_the_shift() -> Non
     )
     # the gradients alone agree (both sides used the same wrong count): only the audit sees it
     assert wrong.grad_max_rel_err < 1e-10
+    # so the verdict's line names the denominator, with the window's figures, beside figures in tolerance
+    denominator = (
+        f"the denominator: count_fn counts {counted} units where the loss uses {used} output positions "
+        "(4 of 4 micro-batches)"
+    )
+    assert wrong.failures == (denominator,)
+    assert wrong.summary().startswith(f"FAIL: {denominator}; gradient max rel err ")
 
     right = verify(gpt2, data, shifted_sum, count_tokens("labels", shift=True), micro_batch=2)
     assert right.passed, right.likely_causes
-    assert right.audit_summary == f"consistent: count_fn counts exactly the {used} positions the loss uses"
+    assert right.audit_summary == (
+        f"consistent: count_fn counts exactly the {used} units the loss sums over in the 8 examples of "
+        "the checked batch (the output positions that receive a gradient)"
+    )
 
 
 def test_an_example_level_loss_audits_as_examples() -> None:

@@ -239,7 +239,7 @@ def _params_after(noise_scale: bool, build: Callable[[], torch.nn.Module], steps
 def test_the_update_is_bitwise_the_same_with_noise_scale_on(config: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(3)
     regression = [(_unequal(gen), regression_loss, regression_count) for _ in range(5)]
-    count = count_tokens("labels")
+    count = count_tokens("labels", shift=False)
     gpt_batches = [sample_sequences(8, seed=s, max_len=24) for s in range(3)]
     gpt = [(split(b, sizes=[1, 3, 2, 2]), gpt_loss, count) for b in gpt_batches]
     for build, steps in ((POPULATION.model, regression), (lambda: build_tiny_gpt(0), gpt)):

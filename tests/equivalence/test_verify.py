@@ -48,7 +48,8 @@ def test_a_printed_report_is_a_few_lines_with_the_verdict_and_the_causes() -> No
     assert text.splitlines() == [
         "tiny_gpt: Accumulator.step over 4 micro-batches of 2 examples against the full batch",
         f"  {passed.summary()}",
-        "  denominator: consistent: count_fn counts exactly the 136 positions the loss uses",
+        "  denominator: consistent: count_fn counts exactly the 136 tokens the loss sums over in the 8 "
+        "examples of the checked batch (the output positions that receive a gradient)",
     ]
     assert "ParamRow" in repr(passed) and "ParamRow" not in text  # the repr keeps every row
     failed = str(verify_workload(bn_cnn()))

@@ -13,7 +13,7 @@ from gradaccum.loss import count_tokens
 
 __all__ = ["count_rows", "gpt", "gpt_batch", "gpt_loss", "mlp", "mlp_batch", "mlp_loss", "tokens"]
 
-tokens = count_tokens("labels")
+tokens = count_tokens("labels", shift=False)
 
 
 def mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:

@@ -30,11 +30,11 @@ pytestmark = [
 
 M, K = 2, 2  # micro-batch, micro-batches per window
 EXAMPLES = 10  # windows of 4, 4 and 2 examples: the last one is short
-count_fn = gradaccum.count_tokens("labels")
+count_fn = gradaccum.count_tokens("labels", shift=False)
 
 
 def loss_fn(module: Any, mb: dict[str, Any]) -> torch.Tensor:
-    return gradaccum.summed_cross_entropy(module.net(mb["input_ids"]), mb["labels"])
+    return gradaccum.summed_cross_entropy(module.net(mb["input_ids"]), mb["labels"], shift=False)
 
 
 class ExactLM(pl.LightningModule):
@@ -166,7 +166,7 @@ def _fabric_window(rank: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _fabric_loss(model: Any, mb: dict[str, Any]) -> torch.Tensor:
-    return gradaccum.summed_cross_entropy(model(mb["input_ids"]), mb["labels"])
+    return gradaccum.summed_cross_entropy(model(mb["input_ids"]), mb["labels"], shift=False)
 
 
 def _rank(rank: int, world: int) -> dict[str, Any]:

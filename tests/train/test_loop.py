@@ -64,7 +64,7 @@ def test_evaluation_mid_window_leaves_accumulated_state_untouched() -> None:
     for name, p in model.named_parameters():
         # bitwise: nothing may be added to .grad at all, so no rounding can excuse a difference
         assert torch.equal(p.grad, grads[name]), name
-    want_count = sum(int(valid_tokens(mb["labels"])) for mb in held_out)
+    want_count = sum(int(valid_tokens(mb["labels"], shift=False)) for mb in held_out)
     model.eval()
     with torch.no_grad():
         want = sum(float(workload.loss_fn(model, mb)) for mb in held_out) / want_count
@@ -85,7 +85,7 @@ def test_evaluating_during_a_run_does_not_change_its_trajectory(tmp_path: Path) 
 
 
 def _window_tokens(global_batch: int, window: int) -> int:
-    return int(valid_tokens(gpt().make_batch(global_batch, train_seed(0, window))["labels"]))
+    return int(valid_tokens(gpt().make_batch(global_batch, train_seed(0, window))["labels"], shift=False))
 
 
 @pytest.mark.parametrize("clock", ["steps", "tokens"])

@@ -69,7 +69,7 @@ def test_apply_lr_scales_every_groups_peak() -> None:
 
 
 def _window_tokens(global_batch: int, window: int) -> int:
-    return int(valid_tokens(gpt().make_batch(global_batch, train_seed(0, window))["labels"]))
+    return int(valid_tokens(gpt().make_batch(global_batch, train_seed(0, window))["labels"], shift=False))
 
 
 def _lrs(tmp: Path, global_batch: int, clock: str, warmup: int) -> list[StepRecord]:

@@ -299,7 +299,7 @@ def _count_sentence(own: _Run, micro: Sequence[Any], counts: Sequence[int], unit
             f"{min(weights):.2f} to {max(weights):.2f}"
         )
     items = float(own.items)
-    unshifted = sum(int(valid_tokens(_labels(mb))) for mb in micro)
+    unshifted = sum(int(valid_tokens(_labels(mb), shift=False)) for mb in micro)
     rows = sum(int(_labels(mb).ne(-100).any(dim=-1).sum()) for mb in micro)
     what = (
         f"its count of labels != -100 without the causal shift, which counts each of the {rows} "

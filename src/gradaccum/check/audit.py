@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-__all__ = ["AuditStatus", "CountAudit", "audit_count", "summarize_audits"]
+__all__ = ["AuditStatus", "CountAudit", "audit_count", "audit_failure", "summarize_audits"]
 
 AuditStatus = Literal["consistent", "mismatch", "not audited"]
 
@@ -46,6 +46,14 @@ class CountAudit:
     """Shape of the model output the audit read (``(b, t, vocab)`` for a causal LM)."""
     reason: str = ""
     """Why it mismatches (with the likely fix), or why it could not be audited."""
+    declared: int | None = None
+    """Target positions the count's owner declares (``CausalLMLoss.positions``), what ``used`` must
+    equal when the units are sequences or documents; None when the units are the positions."""
+
+    @property
+    def expected(self) -> int | None:
+        """The positions the loss must reach: ``declared``, or else ``counted``."""
+        return self.declared if self.declared is not None else self.counted
 
     @property
     def passed(self) -> bool | None:
@@ -96,7 +104,8 @@ def _diagnose(counted: int, used: int, rows: int, rows_used: int, ndim: int) -> 
     if counted == rows and used > rows:
         return (
             f"{head}: count_fn counts the {rows} examples but the loss sums over {used} positions (tokens); "
-            "count the tokens (count_tokens) or make the loss a sum of per-example means"
+            "count the tokens (count_tokens(key, shift=...), shift as the loss) or make the loss a sum of "
+            "per-example means"
         )
     if used == rows and counted > rows:
         return (
@@ -171,7 +180,9 @@ def audit_count(
     # but the loss must still reach exactly the target positions it declares
     expected = counted if declared is None else declared
     if used == expected:
-        return CountAudit(status="consistent", counted=counted, used=used, rows=rows, output_shape=shape)
+        return CountAudit(
+            status="consistent", counted=counted, used=used, rows=rows, output_shape=shape, declared=declared
+        )
     if declared is None:
         reason = _diagnose(counted, used, rows, rows_used, out.ndim)
     else:
@@ -180,23 +191,69 @@ def audit_count(
             f"at {used}: its logits are not aligned with the labels (already shifted? set shift=False)"
         )
     return CountAudit(
-        status="mismatch", counted=counted, used=used, rows=rows, output_shape=shape, reason=reason
+        status="mismatch",
+        counted=counted,
+        used=used,
+        rows=rows,
+        output_shape=shape,
+        reason=reason,
+        declared=declared,
     )
 
 
-def summarize_audits(audits: Sequence[CountAudit]) -> str:
-    """One line over a window's audits: consistent, the first mismatch, or why none was audited."""
+def _over(window: str) -> str:
+    return f" in {window}" if window else ""
+
+
+def summarize_audits(audits: Sequence[CountAudit], *, unit: str = "units", window: str = "") -> str:
+    """One line over a window's audits: consistent, the first mismatch, or why none was audited.
+
+    ``unit`` is what ``count_fn`` counts ("tokens"), ``window`` the examples audited ("the 8
+    examples of the checked batch"): the line says what its figures count, and over what. The
+    positions are the model output's rows that receive a gradient from the summed loss (a
+    causal LM's targets, after any shift)."""
     if not audits:
         return "not audited: no micro-batch"
     mismatch = next((a for a in audits if a.status == "mismatch"), None)
     if mismatch is not None:
-        return mismatch.reason
+        return (
+            f"micro-batch {audits.index(mismatch)} of {window}: {mismatch.reason}"
+            if window
+            else mismatch.reason
+        )
     if all(a.status == "consistent" for a in audits):
         counted = sum(a.counted or 0 for a in audits)
         used = sum(a.used or 0 for a in audits)
         if counted == used:
-            return f"consistent: count_fn counts exactly the {counted} positions the loss uses"
+            where = f" in {window}" if window else ""
+            return (
+                f"consistent: count_fn counts exactly the {counted} {unit} the loss sums over{where} (the "
+                "output positions that receive a gradient)"
+            )
         return (
-            f"consistent: the loss reaches exactly its {used} target positions, over {counted} counted units"
+            f"consistent: the loss reaches exactly its {used} target positions, over {counted} counted "
+            f"{unit}{_over(window)}"
         )
     return next(a.reason for a in audits if a.status == "not audited")
+
+
+def audit_failure(audits: Sequence[CountAudit], *, unit: str = "units") -> str | None:
+    """The denominator's failure in one clause with the window's figures, or None when no
+    micro-batch mismatches: "the denominator: count_fn counts 128 tokens where the loss uses 136
+    output positions (4 of 4 micro-batches)"."""
+    wrong = [a for a in audits if a.status == "mismatch"]
+    if not wrong:
+        return None
+    used = sum(a.used or 0 for a in wrong)
+    where = f"{len(wrong)} of {len(audits)} micro-batches"
+    if all(a.declared is None for a in wrong):
+        counted = sum(a.counted or 0 for a in wrong)
+        return (
+            f"the denominator: count_fn counts {counted} {unit} where the loss uses {used} output "
+            f"positions ({where})"
+        )
+    declared = sum(a.expected or 0 for a in wrong)
+    return (
+        f"the denominator: the loss declares {declared} target positions where the output receives a "
+        f"gradient at {used} ({where})"
+    )

@@ -17,6 +17,7 @@ The model's own per-forward balancing loss (``output_router_logits``) is turned 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +60,29 @@ class BalanceReport:
         return self.errors["exact"] <= self.tolerance
 
     def summary(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
+        """One line: the exact mode's error against its tolerance (a FAIL says over or non-finite),
+        and how far the other modes are from exact."""
+        exact = self.errors["exact"]
+        if self.passed:
+            verdict = "PASS"
+        else:
+            verdict = "FAIL (over the tolerance)" if math.isfinite(exact) else "FAIL (a non-finite update)"
         others = ", ".join(f"{mode} {self.from_exact[mode]:.1e}" for mode in MODES if mode != "exact")
         return (
-            f"load balance: exact {self.errors['exact']:.1e} from the full batch's objective "
+            f"load balance: exact {exact:.1e} from the full batch's objective "
             f"(tolerance {self.tolerance:.0e}) {verdict}; from exact: {others}"
+        )
+
+    @property
+    def failures(self) -> tuple[str, ...]:
+        """What failed, with its figure; empty on a pass."""
+        if self.passed:
+            return ()
+        exact = self.errors["exact"]
+        how = "over" if math.isfinite(exact) else "non-finite,"
+        return (
+            f"load balance: exact mode {exact:.1e} from the full batch's objective "
+            f"({how} tol {self.tolerance:.0e})",
         )
 
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 from gradaccum.batch import Batch, cast
 from gradaccum.check.controls import randomness_off
 from gradaccum.check.equivalence import verify
-from gradaccum.check.report import EquivalenceReport
+from gradaccum.check.report import EquivalenceReport, against
 from gradaccum.check.runs import FLOOR_RATIO
 from gradaccum.check.tolerances import Tolerance
 from gradaccum.check.workload import OptimizerFactory, Workload, sgd
@@ -96,8 +96,20 @@ class PackedReport:
         agree = self.layouts_agree or not self.expect_same
         return self.packed.passed and self.padded.passed and agree
 
+    @property
+    def failures(self) -> tuple[str, ...]:
+        """What failed, one clause each with its figure and the layout it is on; empty on a pass."""
+        causes = [f"packed rows: {c}" for c in self.packed.failures]
+        causes += [f"padded rows: {c}" for c in self.padded.failures]
+        if self.expect_same and not self.layouts_agree:
+            causes.append(
+                f"packed and padded differ by {self.layout_grad_max_rel_err:.1e} "
+                f"{against(self.layout_grad_max_rel_err, self.layout_tol, self.layout_tol.value)}"
+            )
+        return tuple(causes)
+
     def summary(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
+        verdict = "PASS" if self.passed else f"FAIL ({'; '.join(self.failures)})"
         if self.expect_same:
             layouts = (
                 f"packed and padded {'agree' if self.layouts_agree else 'DIFFER'}: "

@@ -6,13 +6,26 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gradaccum.check.audit import CountAudit, summarize_audits
+from gradaccum.check.audit import CountAudit, audit_failure, summarize_audits
 from gradaccum.check.tolerances import Tolerance
 from gradaccum.errors import EquivalenceError
 from gradaccum.fielddocs import document_fields
 from gradaccum.hazards.scanner import Finding
 
-__all__ = ["EquivalenceReport", "ParamRow", "TraceReport", "describe_sizes"]
+__all__ = ["EquivalenceReport", "ParamRow", "TraceReport", "against", "describe_sizes", "exceeds"]
+
+
+def exceeds(value: float, tol: float) -> bool:
+    """Whether ``value`` fails its tolerance: above it, or not a finite number."""
+    return not value <= tol
+
+
+def against(value: float, tol: object, bound: float) -> str:
+    """``(tol T)`` beside a figure within its tolerance ``bound``; ``(over tol T)`` or
+    ``(non-finite, tol T)`` beside one that fails it, so that a FAIL line says which figure failed."""
+    if not exceeds(value, bound):
+        return f"(tol {tol})"
+    return f"({'over' if math.isfinite(value) else 'non-finite,'} tol {tol})"
 
 
 def describe_sizes(sizes: tuple[int, ...] | list[int]) -> str:
@@ -91,20 +104,52 @@ class EquivalenceReport:
         return self.param_max_abs_diff <= self.param_tol.value
 
     @property
+    def window(self) -> str:
+        """The examples the check counts and compares, in words: "the 8 examples of the checked
+        batch"; the counts and the denominator audit are over these."""
+        n = sum(self.sizes)
+        return f"the {n} example{'s' if n != 1 else ''} of the checked batch"
+
+    @property
     def audit_summary(self) -> str:
         """One line on the denominator: consistent, the first mismatch and its fix, or not audited."""
-        return summarize_audits(self.audit) if self.audit else "not audited: the audit was turned off"
+        if not self.audit:
+            return "not audited: the audit was turned off"
+        return summarize_audits(self.audit, unit=self.unit, window=self.window)
+
+    @property
+    def failures(self) -> tuple[str, ...]:
+        """What failed, one clause each with its figure (the denominator, the gradients, the
+        parameters); empty when the check passed."""
+        causes = []
+        denominator = audit_failure(self.audit, unit=self.unit)
+        if denominator is not None:
+            causes.append(denominator)
+        for what, value, tol in (
+            ("gradient max rel err", self.grad_max_rel_err, self.grad_tol),
+            ("parameter max abs diff", self.param_max_abs_diff, self.param_tol),
+        ):
+            if exceeds(value, tol.value):
+                causes.append(f"{what} {value:.2e} {against(value, tol, tol.value)}")
+        if not causes and not self.passed:
+            causes.append("the candidate step failed (see the likely causes)")
+        return tuple(causes)
 
     @property
     def global_count(self) -> int:
         return sum(self.counts)
 
     def summary(self) -> str:
-        """One line: the verdict and both errors against their tolerances."""
+        """One line: the verdict and both errors against their tolerances. A FAIL names its cause
+        on the line: a figure marked over its tolerance, or the failed denominator first."""
         verdict = "PASS" if self.passed else "FAIL"
+        denominator = None if self.passed else audit_failure(self.audit, unit=self.unit)
+        cause = f"{denominator}; " if denominator else ""
+        grad = against(self.grad_max_rel_err, self.grad_tol, self.grad_tol.value)
+        param = against(self.param_max_abs_diff, self.param_tol, self.param_tol.value)
         return (
-            f"{verdict}: gradient max rel err {self.grad_max_rel_err:.2e} (tol {self.grad_tol}), "
-            f"parameter max abs diff {self.param_max_abs_diff:.2e} (tol {self.param_tol}), "
+            f"{verdict}: {cause}gradient max rel err {self.grad_max_rel_err:.2e} {grad}, "
+            f"parameter max abs diff {self.param_max_abs_diff:.2e} {param}, "
             f"{self.dtype}, micro-batches {list(self.sizes)}"
         )
 
@@ -169,11 +214,46 @@ class TraceReport:
     def __str__(self) -> str:
         return f"{self.name}: {self.summary()}" if self.name else self.summary()
 
+    @property
+    def same_skips(self) -> bool:
+        """Both sides skipped the same steps (NaN loss at the same places)."""
+        return [math.isnan(x) for x in self.baseline_loss] == [math.isnan(x) for x in self.candidate_loss]
+
+    @property
+    def failures(self) -> tuple[str, ...]:
+        """What failed, one clause each with its figure; empty when the traces agree."""
+        causes = []
+        if not self.same_skips:
+            causes.append(
+                f"the sides skipped different steps (baseline {_skipped(self.baseline_loss)}, candidate "
+                f"{_skipped(self.candidate_loss)})"
+            )
+        for what, value in (("loss", self.loss_max_rel_diff), ("gradient-norm", self.grad_norm_max_rel_diff)):
+            if exceeds(value, self.tol.value):
+                causes.append(f"{what} max rel diff {value:.2e} {against(value, self.tol, self.tol.value)}")
+        if not causes and not self.passed:
+            causes.append("the traces were marked failed")
+        return tuple(causes)
+
     def summary(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
+        """One line: the verdict and both traces' differences; a FAIL marks each figure against the
+        tolerance and names skipped steps that differ first."""
+        base, cand = describe_sizes(self.baseline_sizes), describe_sizes(self.candidate_sizes)
+        sides = f"baseline {base} vs candidate {cand}"
+        head = f"over {self.steps} steps in {self.dtype}"
+        loss, norm = self.loss_max_rel_diff, self.grad_norm_max_rel_diff
+        if self.passed:
+            return (
+                f"PASS: {head}, loss max rel diff {loss:.2e}, gradient-norm max rel diff {norm:.2e} "
+                f"(tol {self.tol}), {sides}"
+            )
+        skips = "" if self.same_skips else f"{self.failures[0]}; "
         return (
-            f"{verdict}: over {self.steps} steps in {self.dtype}, loss max rel diff "
-            f"{self.loss_max_rel_diff:.2e}, gradient-norm max rel diff {self.grad_norm_max_rel_diff:.2e} "
-            f"(tol {self.tol}), baseline {describe_sizes(self.baseline_sizes)} vs candidate "
-            f"{describe_sizes(self.candidate_sizes)}"
+            f"FAIL: {skips}{head}, loss max rel diff {loss:.2e} {against(loss, self.tol, self.tol.value)}, "
+            f"gradient-norm max rel diff {norm:.2e} {against(norm, self.tol, self.tol.value)}, {sides}"
         )
+
+
+def _skipped(loss: tuple[float, ...]) -> str:
+    steps = [i for i, x in enumerate(loss) if math.isnan(x)]
+    return f"step{'s' if len(steps) != 1 else ''} {', '.join(map(str, steps))}" if steps else "none"

@@ -37,10 +37,13 @@ from gradaccum.names import HF_PREFIX, MAX_TRACE_STEPS, TRACE_DTYPES, VERIFY_DTY
 if TYPE_CHECKING:
     import torch
 
+    from gradaccum.check.balance import BalanceReport
+    from gradaccum.check.mesh import MeshReport
     from gradaccum.check.packed import PackedReport
     from gradaccum.check.report import EquivalenceReport, TraceReport
     from gradaccum.check.workload import Workload
     from gradaccum.hazards.scanner import Finding
+    from gradaccum.workloads.balance import BalanceChoice
 
 WORST_SHOWN = 5
 
@@ -155,21 +158,6 @@ def _add_renamed_precision(
     p.add_argument(name, earlier, dest=dest, choices=choices, default=default, help=help)
 
 
-def _handled_by_cache(finding: Finding) -> Finding:
-    """Under ``--cached`` the in-batch-negatives hazard is what the gradient cache removes: say so,
-    instead of printing an error beside a PASS."""
-    if finding.code != "declared-hazard" or not finding.summary.startswith("uses in-batch negatives"):
-        return finding
-    return dataclasses.replace(
-        finding,
-        severity="info",
-        summary="uses in-batch negatives, handled here by the gradient cache (CachedAccumulator)",
-        explanation="CachedAccumulator computes the loss over the whole window's representations, so every "
-        "example meets every negative of the step, as in one full batch.",
-        fix="None while training with CachedAccumulator; the plain Accumulator would not be exact.",
-    )
-
-
 def _check_partition(workload: Workload, micro: int | None, sizes: list[int] | None) -> None:
     """Refuse a partition that does not cover the workload's batch, naming the CLI's options."""
     n = workload.batch_size
@@ -188,14 +176,18 @@ def _check_partition(workload: Workload, micro: int | None, sizes: list[int] | N
         )
 
 
-def _render_report(report: EquivalenceReport, workload: Workload) -> None:
+def _render_report(report: EquivalenceReport, workload: Workload, seed: int) -> None:
     counts = ", ".join(str(c) for c in report.counts)
     console.print(
         f"[bold]stage 1[/bold]: one update in {report.dtype} on {report.device}: {sum(report.sizes)} "
         f"examples as micro-batches {list(report.sizes)} through {escape(report.candidate)}, against "
         f"the whole batch in one forward/backward"
     )
-    console.print(f"  {workload.unit} counted per micro-batch: {counts} (N = {report.global_count})")
+    unit = escape(workload.unit)
+    console.print(
+        f"  {unit} counted per micro-batch of the verification batch ({sum(report.sizes)} examples, seed "
+        f"{seed}): {counts} (N = {report.global_count} {unit})"
+    )
     table = Table(show_edge=False)
     for column in ("check", "error", "tolerance", "result"):
         table.add_column(column, justify="left" if column == "check" else "right")
@@ -212,12 +204,22 @@ def _render_report(report: EquivalenceReport, workload: Workload) -> None:
         mark(report.param_passed),
     )
     audit = report.audit_summary
+    audited = [a for a in report.audit if a.status != "not audited"]
+    figure = ""
+    if audited and len(audited) == len(report.audit):
+        expected = sum(a.expected or 0 for a in audited)
+        figure = f"{expected} counted, {sum(a.used or 0 for a in audited)} used"
     verdict = (
         "[red]FAIL[/red]"
         if any(a.status == "mismatch" for a in report.audit)
         else ("[green]PASS[/green]" if audit.startswith("consistent") else "[dim]n/a[/dim]")
     )
-    table.add_row("denominator audit (count_fn against the output positions the loss uses)", "", "", verdict)
+    table.add_row(
+        "denominator audit (count_fn against the output positions the loss uses)",
+        figure,
+        "equal" if figure else "",
+        verdict,
+    )
     console.print(table)
     console.print(f"  denominator: {escape(audit)}")
     worst = Table(title="worst parameters", show_edge=False)
@@ -274,6 +276,32 @@ def weak_reasons(report: EquivalenceReport, workload: Workload) -> list[str]:
     return reasons
 
 
+def _verdict(passed: bool, causes: Sequence[str]) -> str:
+    """PASS, or FAIL with its causes on the same line (each names the check and its figure)."""
+    if passed:
+        return mark(True)
+    return mark(False) + (f" ({escape('; '.join(causes))})" if causes else "")
+
+
+def _settled(
+    report: EquivalenceReport, cached: bool, choice: BalanceChoice | None, balance: BalanceReport | None
+) -> tuple[Finding, ...]:
+    """The scan's findings settled by what this command ran and measured (:mod:`gradaccum.check.findings`):
+    no error line beside a PASS, and what gradaccum's own path handles said so."""
+    from gradaccum.check.findings import settle_findings
+
+    passed = report.passed and (balance is None or balance.passed)
+    figure = f"gradient max rel err {report.grad_max_rel_err:.2e}, tol {report.grad_tol}"
+    return settle_findings(
+        report.findings,
+        passed=passed,
+        figure=figure,
+        cached=cached,
+        balance_mode=None if choice is None else choice.mode,
+        balance=balance,
+    )
+
+
 def _fmt(x: float) -> str:
     return "skipped" if math.isnan(x) else f"{x:.6g}"
 
@@ -299,7 +327,7 @@ def _render_trace(trace: TraceReport) -> None:
     console.print(table)
     console.print(
         f"  loss max rel diff {trace.loss_max_rel_diff:.2e}, gradient-norm max rel diff "
-        f"{trace.grad_norm_max_rel_diff:.2e}, tolerance {trace.tol}: {mark(trace.passed)}"
+        f"{trace.grad_norm_max_rel_diff:.2e}, tolerance {trace.tol}: {_verdict(trace.passed, trace.failures)}"
     )
     console.print(f"  trace tolerance: {escape(trace.tol.reason)}")
     for line in trace.skipped:
@@ -353,17 +381,13 @@ def run(args: argparse.Namespace) -> int:
         candidate_step=candidate,
         compile=args.compile,
     )
-    if args.cached:
-        report = dataclasses.replace(report, findings=tuple(_handled_by_cache(f) for f in report.findings))
-    _render_report(report, workload)
     balance = None
+    choice = None
     if not args.cached:  # an MoE model: the balance train would run, and how far the modes are
         from gradaccum.check.balance import verify_balance
         from gradaccum.workloads.balance import choose_balance
 
         _, choice = choose_balance(workload.build_model(), args.balance)
-        if choice is not None:
-            console.print(escape(choice.describe()))
         if choice is not None and not (choice.mode == "off" and choice.given):
             # the exact term against the full batch's objective (what --balance exact trains; under
             # the default's "off" it is what --balance exact would add), and the others from it
@@ -371,8 +395,12 @@ def run(args: argparse.Namespace) -> int:
                 workload, micro_batch=args.micro_batch, sizes=args.sizes, dtype=dtype_of(args.dtype),
                 device=device, seed=args.seed,
             )  # fmt: skip
-        if balance is not None:
-            console.print(escape(balance.summary()))
+    report = dataclasses.replace(report, findings=_settled(report, args.cached, choice, balance))
+    _render_report(report, workload, args.seed)
+    if choice is not None:
+        console.print(escape(choice.describe()))
+    if balance is not None:
+        console.print(escape(balance.summary()))
     trace = None
     if args.cached and args.trace_steps:
         console.print("[bold]stage 2[/bold]: not run with --cached (the trace comparison drives Accumulator)")
@@ -395,7 +423,12 @@ def run(args: argparse.Namespace) -> int:
     weak = weak_reasons(report, workload) if passed else []
     for reason in weak:
         console.print(f"[yellow]weak check[/yellow]: {escape(reason)}")
-    console.print(f"[bold]verdict[/bold]: {mark(passed)}" + (" (a weak check: see above)" if weak else ""))
+    causes = [f"stage 1: {c}" for c in report.failures]
+    causes += list(balance.failures if balance is not None else ())
+    causes += [f"stage 2: {c}" for c in (trace.failures if trace is not None else ())]
+    console.print(
+        f"[bold]verdict[/bold]: {_verdict(passed, causes)}" + (" (a weak check: see above)" if weak else "")
+    )
     console.print(f"  stage 1: {escape(report.summary())}")
     if trace is not None:
         console.print(f"  stage 2: {escape(trace.summary())}")
@@ -460,7 +493,7 @@ def _run_mesh(args: argparse.Namespace, workload: Workload, device: torch.device
                 f"  {report.micro_batches} micro-batches per data rank, N = {report.global_count}\n"
                 f"  accumulated vs one micro-batch per rank: {report.accumulated_vs_one_pass:.1e}\n"
                 f"  accumulated vs one process, full batch:  {report.accumulated_vs_single_process:.1e}\n"
-                f"  tolerance {report.tolerance:.0e}: {'PASS' if report.passed else 'FAIL'}"
+                f"  tolerance {report.tolerance:.0e}: {_mesh_verdict(report)}"
             )
             if report.weakness is not None:
                 console.print(f"  [yellow]weak check:[/yellow] {escape(report.weakness)}")
@@ -499,7 +532,7 @@ def _render_packed(report: PackedReport) -> None:
             f"{label}: micro-batches {list(sub.sizes)} ({sub.unit} {counts}) vs the full batch",
             f"{sub.grad_max_rel_err:.2e}",
             str(sub.grad_tol),
-            mark(sub.passed),
+            mark(sub.passed) if sub.passed else _short_cause(sub),
         )
     expected = "same update expected" if report.expect_same else "a different update expected"
     table.add_row(
@@ -518,9 +551,27 @@ def _render_packed(report: PackedReport) -> None:
         f"padded {report.padded_loss:.6g}"
     )
     console.print(f"  layout tolerance: {escape(report.layout_tol.reason)}")
-    console.print(f"[bold]verdict[/bold]: {mark(report.passed)}")
+    console.print(f"[bold]verdict[/bold]: {_verdict(report.passed, report.failures)}")
     console.print(f"  {escape(report.summary())}")
     if report.likely_causes:
         console.print("[bold]likely causes[/bold]:")
         for cause in report.likely_causes:
             console.print(f"  - {escape(cause)}")
+
+
+def _short_cause(sub: EquivalenceReport) -> str:
+    """A table cell for a failed layout: FAIL and the checks that failed, short enough for one line
+    (the verdict's line gives their figures)."""
+    names = {"the denominator": "denominator", "gradient": "gradients", "parameter": "parameters"}
+    parts = [next((n for k, n in names.items() if c.startswith(k)), c) for c in sub.failures]
+    return mark(False) + f" ({escape(', '.join(parts))})"
+
+
+def _mesh_verdict(report: MeshReport) -> str:
+    """PASS, or FAIL naming the error over the tolerance (or not finite)."""
+    if report.passed:
+        return "PASS"
+    errors = (report.accumulated_vs_one_pass, report.accumulated_vs_single_process)
+    worst = next(e for e in errors if not e <= report.tolerance)
+    how = "over the tolerance" if math.isfinite(worst) else "a non-finite update"
+    return f"FAIL ({how}: {worst:.1e})"

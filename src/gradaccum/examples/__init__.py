@@ -36,7 +36,7 @@ def build_tiny_gpt(seed: int = 0, *, dropout: float = 0.0, dtype: torch.dtype = 
 
 def gpt_loss(model: nn.Module, micro_batch: dict[str, Any]) -> torch.Tensor:
     """Summed next-character cross-entropy over the non-padding positions."""
-    return summed_cross_entropy(model(micro_batch["input_ids"]), micro_batch["labels"])
+    return summed_cross_entropy(model(micro_batch["input_ids"]), micro_batch["labels"], shift=False)
 
 
 def tiny_gpt() -> Workload:
@@ -46,7 +46,7 @@ def tiny_gpt() -> Workload:
         build_model=build_tiny_gpt,
         make_batch=lambda n, seed: sample_sequences(n, seed),
         loss_fn=gpt_loss,
-        count_fn=count_tokens("labels"),
+        count_fn=count_tokens("labels", shift=False),
         batch_size=8,
         micro_batch=2,
         unit="tokens",

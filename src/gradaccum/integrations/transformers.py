@@ -245,7 +245,7 @@ class ExactTrainer(Trainer):
                 "micro-batch's loss is over."
             )
         if "shift_labels" in named:
-            return valid_tokens(named["shift_labels"], ignore_index=exact.ignore_index)
+            return valid_tokens(named["shift_labels"], ignore_index=exact.ignore_index, shift=False)
         return valid_tokens(named["labels"], ignore_index=exact.ignore_index, shift=self.label_shift)
 
     # -- the loss each micro-batch backpropagates ------------------------------------------------
