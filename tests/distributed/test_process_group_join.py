@@ -34,7 +34,8 @@ def test_a_rank_that_never_comes_ends_the_join_in_an_error_naming_the_store_and_
         )
     message = str(info.value)
     assert message.startswith(
-        f"rank {rank} of 2, store 127.0.0.1:{port}, restart round 1: the process group did not form within 2 s"
+        f"rank {rank} of 2, store 127.0.0.1:{port}, restart round 1: "
+        "the process group did not form within 2 s"
     ), message
     assert "check that all processes were launched, that MASTER_ADDR/MASTER_PORT are reachable" in message
     assert not torch.distributed.is_initialized()
