@@ -494,8 +494,8 @@ def train(
             resumed_layout=moved_layout(s.resumes),
         )
     )
-    meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}
-    meta |= {"seed": config.seed, "resumes": list(s.resumes)}
+    meta: dict[str, Any] = {"workload": config.workload, "precision": config.precision, "seed": config.seed}
+    meta |= {"schedule": s.schedule.to_dict(), "resumes": list(s.resumes)}
 
     def done() -> bool:
         p = s.progress
