@@ -137,8 +137,10 @@ def init_process_group(
     timeout = timedelta(seconds=timeout_s)
     where = f"rank {rank} of {world}, store {host}:{port}, restart round {restart_round}"
     try:
+        hosts = rank == 0 and not agent_store
+        # multi_tenant as torch's env:// rendezvous: another store of this process may serve the port
         tcp = dist.TCPStore(
-            host, port, world_size=world, is_master=rank == 0 and not agent_store, timeout=timeout
+            host, port, world_size=world, is_master=hosts, timeout=timeout, multi_tenant=hosts
         )
         store = dist.PrefixStore(f"round{restart_round}", tcp)
         dist.init_process_group(
