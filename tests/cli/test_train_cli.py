@@ -178,15 +178,17 @@ def test_runcard_with_string_booleans_is_refused_before_training(
     assert not run_dir.exists()
 
 
-def test_resume_with_another_plan_is_refused_showing_both(
+def test_resume_with_another_global_batch_is_refused_showing_both(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["train", "--steps", "2", "--run-dir", str(tmp_path)]) == 0
     capsys.readouterr()
-    assert main(["train", "--resume", str(tmp_path), "--micro-batch", "4", "--steps", "4"]) == 2
-    err = capsys.readouterr().err
-    assert "checkpoint: global_batch = micro_batch 8 x dp 1 x accum_steps 4 = 32" in err
-    assert "this run:   global_batch = micro_batch 4 x dp 1 x accum_steps 8 = 32" in err
+    assert main(["train", "--resume", str(tmp_path), "--global-batch", "16", "--steps", "4"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "with global batch 32 (global_batch = micro_batch 8 x dp 1 x accum_steps 4 = 32)" in err
+    assert "this run has global batch 16 (global_batch = micro_batch 8 x dp 1 x accum_steps 2 = 16)" in err
+    # another micro-batch is another cut of the same global batch: it resumes (docs/elastic.md)
+    assert main(["train", "--resume", str(tmp_path), "--micro-batch", "4", "--steps", "4"]) == 0
 
 
 def test_signals_checkpoint_and_stop_at_boundaries_then_resume(
@@ -207,12 +209,13 @@ def test_signals_checkpoint_and_stop_at_boundaries_then_resume(
     )
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
 
-    assert main(["train", "--resume", str(tmp_path), "--steps", "6"]) == 0
+    # the same workload (another one is refused); its signals now land in the final window
+    assert main(["train", "--workload", workload, "--resume", str(tmp_path), "--steps", "6"]) == 0
     out = capsys.readouterr().out
     assert "at boundary 4" in out and "completed: 6 boundaries, 6 updates applied" in out
     assert "note:" not in out, "same flags, same schedule"
     # a longer run moves the derived horizon: said, not silently applied
-    assert main(["train", "--resume", str(tmp_path), "--steps", "8"]) == 0
+    assert main(["train", "--workload", workload, "--resume", str(tmp_path), "--steps", "8"]) == 0
     assert "the checkpoint's schedule was cosine, clock steps, warmup 1, horizon 6" in capsys.readouterr().out
 
 

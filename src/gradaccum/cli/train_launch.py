@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO",
+    "JOIN_TIMEOUT_S",
     "PROBE_S",
     "init_distributed",
     "lost_rank_message",
@@ -36,6 +37,9 @@ __all__ = [
 
 PROBE_S = 2.0
 """How long a surviving rank waits for the others to answer after a collective failed."""
+JOIN_TIMEOUT_S = 300.0
+"""How long a rank waits for the process group to form, and for its first collective, before it
+stops with an error naming the missing ranks (instead of waiting for torch's 30 minutes)."""
 AUTO = ("auto", "latest")
 
 
@@ -64,13 +68,26 @@ def init_distributed(device: torch.device) -> bool:
     this call created it."""
     import torch
 
+    from gradaccum.distributed import dist
+
     if torch.distributed.is_initialized() or not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return False
+    env = os.environ
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.distributed.init_process_group("nccl", device_id=device)
-    else:
-        torch.distributed.init_process_group("gloo")
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        host=env.get("MASTER_ADDR", "127.0.0.1"),
+        port=int(env.get("MASTER_PORT", "29500")),
+        rank=int(env["RANK"]),
+        world=int(env["WORLD_SIZE"]),
+        # torchrun keeps its agent's store on one port for every restart round: each round's group
+        # keys under its own prefix (docs/design/distributed-and-mesh.md, "Restart rounds")
+        restart_round=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        timeout_s=JOIN_TIMEOUT_S,
+        device_id=device if device.type == "cuda" else None,
+    )
     return True
 
 

@@ -147,6 +147,8 @@ class TrainRenderer:
             )
         if start.resumed_from:
             console.print(f"resumed from {escape(start.resumed_from)} at boundary {start.start_window}")
+        if start.resumed_layout:
+            console.print(f"resumed on another layout: {escape(start.resumed_layout)}")
         if start.checkpoint_schedule is not None:
             was = start.checkpoint_schedule
             console.print(

@@ -4,14 +4,20 @@ A checkpoint is a folder ``<run>/checkpoints/step-<windows>/`` holding
 
 * ``state.pt`` (written by rank 0): the full (unsharded) model and optimizer state dicts, the
   GradScaler's state, the counters (windows, applied and skipped steps, consumed and seen tokens),
-  the data position, the plan, precision, workload and schedule;
-* ``rng-rank<r>.pt`` (one per rank): that rank's torch CPU, CUDA and Python RNG states;
+  the data position (the next window and the global rows drawn: the same on every layout), the
+  plan and the layout it ran on (:mod:`gradaccum.train.layout`), precision, seed, workload,
+  schedule and the run's earlier resumes;
+* ``rng-rank<r>.pt`` (one per rank): that rank's torch CPU, CUDA and Python RNG states (a resume on
+  another number of processes gives every rank rank 0's: every rank starts a run from the same
+  seed);
 * ``manifest.json`` (rank 0, written last): every file's size and SHA-256, hashed as it was
   written, the format and the counters.
 
 State dicts go through ``torch.distributed.checkpoint.state_dict``: for FSDP2 the sharded
 parameters and optimizer state are gathered into a full state dict on rank 0 on save, and every
-rank re-shards the full state dict on load; DDP and plain modules take the same path. (Every rank
+rank re-shards the full state dict on load; DDP and plain modules take the same path. So a
+checkpoint is not tied to the layout that wrote it: FSDP2 on N processes resumes on DDP or one
+process and back, at any micro-batch, each rank taking its shard of the full state. (Every rank
 reads ``state.pt``: a shared filesystem is assumed, as for the rank files.)
 
 Atomicity: files are written into ``checkpoints/.tmp-step-<windows>/`` (each via a temporary file
@@ -60,6 +66,7 @@ from gradaccum.distributed import dist
 from gradaccum.errors import CheckpointError, CheckpointWriteError
 from gradaccum.plan import BatchPlan
 from gradaccum.train.data import DataPosition
+from gradaccum.train.layout import Layout, check_resume, saved_layout
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -102,6 +109,9 @@ class TrainProgress:
     """Valid units of applied windows (all ranks): the tokens clock."""
     tokens_seen: int = 0
     """Valid units of every window drawn, skipped ones included."""
+    rows_seen: int = 0
+    """Rows (examples) of the global stream drawn, every rank's together: the stream's cursor in
+    global rows, the same whatever the layout (0 in checkpoints written before it was counted)."""
 
     @property
     def position(self) -> DataPosition:
@@ -278,6 +288,7 @@ def save_checkpoint(
     keep: int,
     device: torch.device,
     batch_schedule: dict[str, Any] | None = None,
+    layout: Layout | None = None,
 ) -> Path:
     """Write a checkpoint of the current boundary on every rank together; returns its folder.
 
@@ -287,6 +298,8 @@ def save_checkpoint(
     removing the temporary folder; the previous checkpoints are untouched. Afterwards only the
     newest ``keep`` intact checkpoints remain. ``batch_schedule``: a batch-size schedule's state
     (the plan stored is the run's starting plan; the schedule's state says where it grew to).
+    ``layout``: how this run is cut (recorded for the resumes on other layouts; the plan's, without
+    FSDP2 or a token budget, when None).
     """
     rank = dist.rank()
     final = checkpoint_dir(run_dir, progress.windows)
@@ -323,6 +336,7 @@ def save_checkpoint(
                     "progress": asdict(progress),
                     "data_position": progress.position.to_dict(),
                     "plan": {"micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps, "dp": plan.dp},
+                    "layout": (layout or Layout.of(plan, max_tokens=None, fsdp=False)).to_dict(),
                     "meta": meta,
                     "batch_schedule": batch_schedule,
                 }
@@ -454,15 +468,20 @@ def load_checkpoint(
     accumulator: Any,
     plan: BatchPlan,
     precision: str,
+    layout: Layout | None = None,
+    seed: int | None = None,
+    workload: str | None = None,
 ) -> tuple[TrainProgress, dict[str, Any]]:
     """Restore model, optimizer, scaler, the accumulator's counters and this rank's RNG; returns the
-    run's counters and the meta (with ``path``, ``skipped``, the broken newer checkpoints, and
-    ``batch_schedule``, a batch-size schedule's state or None).
+    run's counters and the meta (with ``path``, ``skipped``, the broken newer checkpoints,
+    ``batch_schedule``, a batch-size schedule's state or None, ``layout``, the layout the
+    checkpoint was written on, and ``moved``, whether this run's ``layout`` differs from it).
 
     Every file is checked against the manifest before any is read (a :class:`ResumePoint` from
     :func:`resolve_checkpoint` has been). Collective under FSDP2 (every
-    rank re-shards). Refuses a checkpoint written for another plan or precision, showing both,
-    before touching any state.
+    rank re-shards). Another layout (processes, micro-batch, token budget, FSDP2) resumes; what
+    would change the trajectory (global batch, precision, ``seed``, ``workload``) is refused by
+    :func:`gradaccum.train.layout.check_resume`, showing both, before touching any state.
     """
     point = path if isinstance(path, ResumePoint) else resolve_checkpoint(path)
     folder = point.path
@@ -478,27 +497,15 @@ def load_checkpoint(
             f"checkpoint {folder} has format {state.get('format')}; this gradaccum reads format "
             f"{CHECKPOINT_FORMAT}"
         )
-    saved_plan = BatchPlan(**state["plan"])
-    if saved_plan != plan:
-        raise CheckpointError(
-            f"checkpoint {folder} was written by a run with a different plan:\n"
-            f"  checkpoint: {saved_plan.equation()}\n"
-            f"  this run:   {plan.equation()}\n"
-            "Resuming would change the data each optimizer step sees. Resume with the checkpoint's "
-            "--global-batch, --micro-batch and world size, or start a new run."
-        )
-    saved_precision = state["meta"].get("precision")
-    if saved_precision != precision:
-        raise CheckpointError(
-            f"checkpoint {folder} was written in precision {saved_precision}, this run uses "
-            f"{precision}; resume with --precision {saved_precision}"
-        )
-    rng_path = folder / _rng_file(dist.rank())
+    layout = layout or Layout.of(plan, max_tokens=None, fsdp=False)
+    moved = check_resume(
+        folder, state, plan=plan, layout=layout, precision=precision, seed=seed, workload=workload
+    )
+    written_on = saved_layout(state)
+    # one's own RNG on the layout that wrote it; else rank 0's (every rank starts from one seed)
+    rng_path = folder / _rng_file(dist.rank() if written_on["world"] == dist.world_size() else 0)
     if not rng_path.is_file():
-        raise CheckpointError(
-            f"checkpoint {folder} has no RNG state for rank {dist.rank()} ({rng_path.name}): it was "
-            "written by a run with fewer processes"
-        )
+        raise CheckpointError(f"checkpoint {folder} has no RNG state {rng_path.name}: it is incomplete")
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, state["model"], options=options)
     if state["optimizer"] is not None:
@@ -514,4 +521,6 @@ def load_checkpoint(
         "path": str(folder),
         "skipped": skipped,
         "batch_schedule": state.get("batch_schedule"),
+        "layout": written_on,
+        "moved": moved,
     }

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from gradaccum.train.checkpoint import (
 from gradaccum.train.config import TrainConfig, TrainError
 from gradaccum.train.data import ShardedStream
 from gradaccum.train.evaluation import evaluate, held_out_summary
+from gradaccum.train.layout import Layout, moved_layout
 from gradaccum.train.records import (
     CheckpointRecord,
     EvalRecord,
@@ -165,6 +166,9 @@ class _Session:
     eval_batches: list[Any]
     batch: CriticalBatchSchedule | None = None
     balance: BalanceChoice | None = None
+    layout: Layout | None = None
+    resumes: tuple[dict[str, Any], ...] = ()
+    """Every resume of the run so far, this one last: where from, at which boundary, on which layouts."""
 
 
 def _setup(config: TrainConfig, workload: Workload) -> _Session:
@@ -197,6 +201,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
     balance, choice = choose_balance(model, config.balance, scaling=config.accum.scaling)
     acc = Accumulator.from_config(model, optimizer, config.accum, scaler=scaler, balance=balance)
     progress, resumed_from, checkpoint_schedule, skipped = TrainProgress(), None, None, ()
+    layout, resumes = Layout.of(config.plan, max_tokens=config.max_tokens, fsdp=config.fsdp), ()
     if point is not None:
         progress, meta = load_checkpoint(
             point,
@@ -206,9 +211,13 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
             accumulator=acc,
             plan=config.plan,
             precision=config.precision,
+            layout=layout,
+            seed=config.seed,
+            workload=config.workload,
         )
         resumed_from, checkpoint_schedule = Path(meta["path"]), meta.get("schedule")
         skipped = tuple(meta["skipped"])
+        resumes = (*meta.get("resumes", ()), layout.resume_record(meta, asdict(progress)))
     batch = _batch_schedule(config, None if point is None else meta.get("batch_schedule"), resumed_from)
     per_step, grows = stream.window(0).global_count, batch is not None
     schedule = resolve_schedule(
@@ -232,6 +241,8 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         eval_batches=stream.eval_batches(config.eval_examples) if config.eval_every else [],
         batch=batch,
         balance=choice,
+        layout=layout,
+        resumes=resumes,
     )
 
 
@@ -278,7 +289,7 @@ def _train_window(s: _Session) -> StepRecord:
             f"{result.global_count} over its micro-batches: count_fn must add up over examples "
             "(count valid tokens or examples, not a per-batch statistic)"
         )
-    s.progress = _advance(p, result, s.acc)
+    s.progress = _advance(p, result, s.acc, plan.global_batch)
     elapsed = time.perf_counter() - t0
     n = result.global_count
     return StepRecord(
@@ -319,8 +330,9 @@ def _grow_batch(s: _Session, record: StepRecord) -> BatchChange | None:
     )
 
 
-def _advance(p: TrainProgress, result: StepResult, acc: Accumulator) -> TrainProgress:
-    """The counters after one window; a skipped window's tokens are seen but not consumed."""
+def _advance(p: TrainProgress, result: StepResult, acc: Accumulator, rows: int) -> TrainProgress:
+    """The counters after one window of ``rows`` global rows; a skipped window's tokens are seen
+    but not consumed."""
     n = result.global_count
     return replace(
         p,
@@ -330,6 +342,7 @@ def _advance(p: TrainProgress, result: StepResult, acc: Accumulator) -> TrainPro
         consecutive_skips=acc.consecutive_skips,
         tokens_consumed=p.tokens_consumed + (n if result.applied else 0),
         tokens_seen=p.tokens_seen + n,
+        rows_seen=p.rows_seen + rows,
     )
 
 
@@ -412,6 +425,8 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
                 "rank r takes "
                 "examples [r * local_batch, (r + 1) * local_batch)",
                 "resumed_from": str(s.resumed_from) if s.resumed_from is not None else None,
+                "layout": None if s.layout is None else s.layout.to_dict(),
+                "resumes": list(s.resumes),
             },
             **({} if noise is None else {"noise_scale": {**noise.to_dict(), "critical_batch": words}}),
             **({} if s.batch is None else {"batch_schedule": s.batch.to_dict()}),
@@ -476,9 +491,11 @@ def train(
             balance=None if s.balance is None else s.balance.describe(),
             param_dtypes=_param_dtypes(s.model),
             experts=experts,
+            resumed_layout=moved_layout(s.resumes),
         )
     )
-    meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}
+    meta: dict[str, Any] = {"workload": config.workload, "precision": config.precision, "seed": config.seed}
+    meta |= {"schedule": s.schedule.to_dict(), "resumes": list(s.resumes)}
 
     def done() -> bool:
         p = s.progress
@@ -540,6 +557,7 @@ def train(
                     keep=config.keep_checkpoints,
                     device=s.device,
                     batch_schedule=None if s.batch is None else s.batch.state_dict(),
+                    layout=s.layout,
                 )
                 last_steps, last_time = p.steps_applied, time.monotonic()
                 checkpoints.append(path)

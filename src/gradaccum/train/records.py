@@ -85,6 +85,9 @@ class TrainStart:
     """The dtypes the model's trainable parameters are stored in (beside the compute precision)."""
     experts: str | None = None
     """Set when an ``hf:`` MoE model's experts were switched to the eager kernel for float64, in words."""
+    resumed_layout: str | None = None
+    """Set when the run resumed a checkpoint written on another layout, in words: that layout and
+    this one (:mod:`gradaccum.train.layout`); the trajectory is the same."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
