@@ -40,7 +40,7 @@ from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
 from gradaccum.step.noise import NoiseScale
 from gradaccum.train.batch_schedule import BatchChange, CriticalBatchSchedule
-from gradaccum.train.build import build_model, build_optimizer
+from gradaccum.train.build import build_model, build_optimizer, stored_dtype
 from gradaccum.train.checkpoint import (
     TrainProgress,
     load_checkpoint,
@@ -398,6 +398,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
         compile=config.compile,
         max_tokens=config.max_tokens,
         balance=None if s.balance is None else s.balance.to_dict(),
+        param_dtype=stored_dtype(s.model),
         **environment(s.device),
         extra={
             "schedule": s.schedule.to_dict(),
@@ -479,6 +480,7 @@ def train(
         )
     )
     meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}
+    meta["param_dtype"] = stored_dtype(s.model)
 
     def done() -> bool:
         p = s.progress

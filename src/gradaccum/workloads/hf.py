@@ -39,7 +39,15 @@ from gradaccum.workloads.base import Workload
 from gradaccum.workloads.data import read_documents
 from gradaccum.workloads.spec import DEFAULT_SEQ_LEN, HFSpec
 
-__all__ = ["EXTRA", "HELD_OUT_FRACTION", "INIT_SEED", "MIN_ROWS_TO_HOLD_OUT", "hf_workload", "repeats"]
+__all__ = [
+    "EXTRA",
+    "HELD_OUT_FRACTION",
+    "INIT_SEED",
+    "MIN_ROWS_TO_HOLD_OUT",
+    "hf_workload",
+    "repeats",
+    "saved_dtype",
+]
 
 EXTRA = "gradaccum[transformers]"
 """The optional extra that installs what an ``hf:`` workload imports."""
@@ -57,6 +65,7 @@ _WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+_SAVED_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -125,8 +134,21 @@ def _from_pretrained(auto: Any, folder: Path, what: str, fix: str) -> Any:
         raise WorkloadError(f"cannot {what} of {str(folder)!r}: {type(exc).__name__}: {exc}{fix}") from None
 
 
+def saved_dtype(config: Any) -> str:
+    """The dtype the folder's parameters were saved in (``config.json``'s ``dtype``, ``torch_dtype``
+    before transformers 4.56), by name; float32 when the config names none."""
+    value = getattr(config, "dtype", None)
+    if value is None:
+        value = vars(config).get("torch_dtype")
+    name = str(value).removeprefix("torch.") if value is not None else "float32"
+    return name if name in _SAVED_DTYPES else "float32"
+
+
 def _model_builder(transformers: Any, folder: Path, config: Any, weights: bool) -> Callable[[], nn.Module]:
-    """``build_model``: the folder's model (float32, ``use_cache`` off), loaded once and copied."""
+    """``build_model``: the folder's model (float32, ``use_cache`` off), loaded once and copied.
+    float32 whatever the folder's dtype, as ``verify``, ``bench`` and ``accept`` measure; ``train``
+    stores the parameters in the saved dtype (``extras["saved_dtype"]``) or ``--param-dtype``'s: a
+    bfloat16 or float16 folder's values survive the float32 copy exactly."""
     template: list[nn.Module] = []
 
     def load() -> nn.Module:
@@ -311,5 +333,6 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
             "spec": spec,
             "train_rows": n_train,
             "held_out_rows": n_held,
+            "saved_dtype": saved_dtype(config),
         },
     )
