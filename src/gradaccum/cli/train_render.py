@@ -100,6 +100,8 @@ class TrainRenderer:
         console.print(f"batch equation: {start.equation}{checked}")
         for line in self.notes:
             console.print(escape(line))
+        if start.data is not None:
+            console.print(escape(start.data))
         sched = start.schedule
         per_step = max(start.tokens_per_step, 1)
         if sched["clock"] == "steps":
@@ -309,11 +311,10 @@ def evaluation_words(cfg: TrainConfig, held_out: str | None) -> str | None:
         if held_out is None or "evaluation is refused" in held_out:
             return held_out
         return f"{held_out}; not evaluated: no --eval-every (add --eval-every N to evaluate them)"
-    when = (
-        f"every {count(cfg.eval_every, 'boundary')} and at the end, "
-        f"{count(cfg.eval_examples, 'held-out example')} each"
-    )
-    return f"{held_out}; evaluated {when}" if held_out is not None else f"evaluation: {when}"
+    when = f"every {count(cfg.eval_every, 'boundary')} and at the end"
+    if held_out is None:
+        return f"evaluation: {when}, on {count(cfg.eval_examples, 'example')} of the workload's held-out draw"
+    return f"{held_out}; evaluated {when}, on {count(cfg.eval_examples, 'example')} drawn from them each time"
 
 
 def budget_words(record: StepRecord) -> str:

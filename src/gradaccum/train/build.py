@@ -58,7 +58,9 @@ def stored_dtype(model: nn.Module) -> str:
 
 
 def _stored(model: nn.Module) -> list[str]:
-    return sorted({dtype_name(p.dtype) for p in model.parameters() if p.requires_grad and p.is_floating_point()})
+    return sorted(
+        {dtype_name(p.dtype) for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    )
 
 
 def _check_dtypes(model: nn.Module, config: TrainConfig) -> None:
@@ -67,7 +69,7 @@ def _check_dtypes(model: nn.Module, config: TrainConfig) -> None:
     words = ", ".join(stored) or "none"
     wide = config.accum.accum_dtype
     if wide is not None:
-        target = accum_dtype_of(wide)
+        target = accum_dtype_of(str(wide))  # AccumConfig holds it by name
         params = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
         if not any(p.dtype.itemsize < target.itemsize for p in params):
             raise TrainError(

@@ -417,6 +417,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
             **({} if noise is None else {"noise_scale": {**noise.to_dict(), "critical_batch": words}}),
             **({} if s.batch is None else {"batch_schedule": s.batch.to_dict()}),
             **({"evaluation": held} if (held := held_out_summary(workload)) else {}),
+            **({"data": workload.extras["data"]} if "data" in workload.extras else {}),
         },
     )
     write_runcard(card, config.run_dir / RUNCARD_FILE)
@@ -477,6 +478,7 @@ def train(
             balance=None if s.balance is None else s.balance.describe(),
             param_dtypes=_param_dtypes(s.model),
             experts=experts,
+            data=workload.extras.get("data", {}).get("summary"),
         )
     )
     meta = {"workload": config.workload, "precision": config.precision, "schedule": s.schedule.to_dict()}

@@ -85,6 +85,9 @@ class TrainStart:
     """The dtypes the model's trainable parameters are stored in (beside the compute precision)."""
     experts: str | None = None
     """Set when an ``hf:`` MoE model's experts were switched to the eager kernel for float64, in words."""
+    data: str | None = None
+    """An ``hf:`` workload's data file in words: its documents and the lines skipped (blank, or with
+    no text), so that nothing is dropped unsaid; ``None`` for a workload that makes its own batches."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -150,21 +150,21 @@ def _accum_plan(spec: TrainSpec, k: int, world: int) -> BatchPlan:
     if spec.micro_batch is None:
         if g % (world * k) == 0:
             return BatchPlan(micro_batch=g // (world * k), accum_steps=k, dp=world)
-        fits = [d for d in range(1, g + 1) if g % (world * d) == 0]
+        steps = _nearest([d for d in range(1, g + 1) if g % (world * d) == 0], k)
+        other = f"--accum-steps {' or '.join(map(str, steps))}, or " if steps else ""
         raise PlanError(
             f"--global-batch {g} with --accum-steps {k} on {processes}: global batch = micro-batch x "
             f"processes x accum steps, and {g} is not a multiple of {world} x {k} = {world * k}; use "
-            f"--accum-steps {' or '.join(map(str, _nearest(fits, k)))}, or --global-batch "
-            f"{' or '.join(map(str, _multiples(g, world * k)))}"
+            f"{other}--global-batch {' or '.join(map(str, _multiples(g, world * k)))}"
         )
     m = spec.micro_batch
     if m * world * k == g:
         return BatchPlan(micro_batch=m, accum_steps=k, dp=world)
-    fits = [] if g % (m * world) else [f"--accum-steps {g // (m * world)} for --global-batch {g}"]
+    hints = [] if g % (m * world) else [f"--accum-steps {g // (m * world)} for --global-batch {g}"]
     raise PlanError(
         f"--global-batch {g} contradicts --micro-batch {m} x {processes} x --accum-steps {k} = "
         f"{m * world * k} (global batch = micro-batch x processes x accum steps); use "
-        + " or ".join([*fits, f"--global-batch {m * world * k}", "two of the three flags"])
+        + " or ".join([*hints, f"--global-batch {m * world * k}", "two of the three flags"])
     )
 
 
@@ -301,8 +301,8 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         f"from run card {path}: workload {card.workload}; {card.equation()}; precision "
         f"{card.precision}"
         + (" (with a GradScaler)" if card.precision == "float16" else "")
-        + f"; parameters {fixed['param_dtype']}"
         + f"; seed {card.seed}"
+        + f"; parameters {_param_words(fixed['param_dtype'], card.precision)}"
         + ("; compiled (torch.compile)" if card.compile else ""),
         f"from run card: optimizer {optimizer}",
         f"from run card: accumulation {accum}",
@@ -324,6 +324,12 @@ def _card_param_dtype(card: RunCard) -> str:
     if card.param_dtype is not None:
         return card.param_dtype
     return "float32" if card.workload.startswith(HF_PREFIX) else "saved"
+
+
+def _param_words(param_dtype: str, precision: str) -> str:
+    if precision == "float64":
+        return "float64"
+    return "as the workload builds them" if param_dtype == "saved" else param_dtype
 
 
 def _flag(name: str) -> str:

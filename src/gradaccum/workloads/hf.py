@@ -36,7 +36,7 @@ from gradaccum.errors import GradAccumError, WorkloadError
 from gradaccum.loss import CausalLMLoss
 from gradaccum.packing import Packed, pack, pad, pieces
 from gradaccum.workloads.base import Workload
-from gradaccum.workloads.data import read_documents
+from gradaccum.workloads.data import count_of, read_data_file
 from gradaccum.workloads.spec import DEFAULT_SEQ_LEN, HFSpec
 
 __all__ = [
@@ -244,10 +244,6 @@ def repeats(rows: int, examples: int, data: str) -> str | None:
     )
 
 
-def count_of(n: int, word: str) -> str:
-    return f"{n:,} {word if n == 1 else word + 's'}"
-
-
 def _sampler(
     rows: dict[str, torch.Tensor], held_out: dict[str, torch.Tensor] | None, data: str, verify_batch: int
 ) -> Callable[[int, int], Batch]:
@@ -287,12 +283,14 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
         )
     folder = Path(spec.model_dir)
     weights, _ = _check_folder(folder)
-    texts = read_documents(spec.data, text_field=spec.text_field)
+    data_file = read_data_file(spec.data, text_field=spec.text_field)
+    texts = data_file.documents
     transformers = _transformers()
     with _quiet(transformers):
         tokenizer = _load_tokenizer(transformers, folder)
         config = _load_config(transformers, folder)
     documents = _tokenize(tokenizer, texts, spec.data)
+    data = data_file.summary(untokenized=len(texts) - len(documents))  # nothing dropped unsaid
     seq_len = _seq_len(config, spec, folder)
     _check_vocab(config, documents, folder)
     pad_id = next(
@@ -334,5 +332,6 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
             "train_rows": n_train,
             "held_out_rows": n_held,
             "saved_dtype": saved_dtype(config),
+            "data": data,
         },
     )
