@@ -117,8 +117,8 @@ def test_accum_steps_checked_against_the_global_batch(
     assert code == 2
     assert err == [
         "gradaccum train: error: --global-batch 30 with --accum-steps 4 on 1 process: global batch = "
-        "micro-batch x processes x accum steps, and 30 is not a multiple of 1 x 4 = 4; use --accum-steps 3 or "
-        "5, or --global-batch 28 or 32"
+        "micro-batch x processes x accum steps, and 30 is not a multiple of 1 x 4 = 4; use --accum-steps 3 "
+        "or 5, or --global-batch 28 or 32"
     ]
 
 
@@ -151,8 +151,8 @@ def test_a_bfloat16_folder_trains_bfloat16_parameters_summed_in_float32(
     code, out, _ = _train(capsys, *argv, "--steps", "2", "--run-dir", str(run))
     assert code == 0, out
     assert (
-        out[0]
-        == "batch equation: global_batch = micro_batch 2 x dp 1 x accum_steps 4 = 8 (checked against --global-batch 8)"
+        out[0] == "batch equation: global_batch = micro_batch 2 x dp 1 x accum_steps 4 = 8 "
+        "(checked against --global-batch 8)"
     )
     assert (
         out[1] == "data: docs.jsonl, 40 documents from 42 lines; skipped 2 lines with no text (lines 6, 10)"
@@ -173,9 +173,9 @@ def test_a_bfloat16_folder_trains_bfloat16_parameters_summed_in_float32(
     summary = _line(out, "completed:")
     assert re.fullmatch(
         r"completed: 2 boundaries, 2 updates applied, 0 skipped; [\d,]+ tokens consumed; [\d,]+ tok/s in "
-        r"training windows \(over their own [\d.]+ s: the step lines' figure\), [\d,]+ tok/s over the [\d.]+ s "
-        r"wall time \(with checkpoints, evaluation and records\) of the [\d.]+ s command \(start-up, model "
-        r"and data loading included\)",
+        r"training windows \(over their own [\d.]+ s: the step lines' figure\), [\d,]+ tok/s over the "
+        r"[\d.]+ s wall time \(with checkpoints, evaluation and records\) of the [\d.]+ s command "
+        r"\(start-up, model and data loading included\)",
         summary,
     ), summary
     card = json.loads((run / "runcard.json").read_text())
