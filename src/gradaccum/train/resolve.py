@@ -302,7 +302,7 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         f"{card.precision}"
         + (" (with a GradScaler)" if card.precision == "float16" else "")
         + f"; seed {card.seed}"
-        + f"; parameters {_param_words(fixed['param_dtype'], card.precision)}"
+        + f"; parameters {_param_words(str(fixed['param_dtype']), card.precision)}"
         + ("; compiled (torch.compile)" if card.compile else ""),
         f"from run card: optimizer {optimizer}",
         f"from run card: accumulation {accum}",
