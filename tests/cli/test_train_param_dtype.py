@@ -90,3 +90,21 @@ def test_the_run_card_field_is_checked_and_optional() -> None:
     assert RunCard.from_dict(older).param_dtype is None  # a card written before the field
     with pytest.raises(RunCardError, match="'param_dtype' must be null or one of"):
         RunCard(workload="w:f", plan=plan, param_dtype="int8")
+
+
+def test_resuming_in_another_parameter_dtype_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "r"
+    code, out, _ = _train(capsys, "--param-dtype", "bfloat16", "--steps", "1", "--run-dir", str(run))
+    assert code == 0, out
+    code, _, err = _train(capsys, "--steps", "2", "--run-dir", str(run), "--resume", "auto")
+    assert code == 2
+    assert err == (
+        f"gradaccum train: error: checkpoint {run / 'checkpoints' / 'step-00000001'} holds bfloat16 "
+        "parameters, this run stores them in float32; resume with --param-dtype bfloat16, or start a new run"
+    )
+    code, out, _ = _train(
+        capsys, "--param-dtype", "bfloat16", "--steps", "2", "--run-dir", str(run), "--resume", "auto"
+    )
+    assert code == 0 and "resumed from" in out

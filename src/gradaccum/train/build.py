@@ -10,6 +10,8 @@ it cannot unscale."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -19,7 +21,7 @@ from gradaccum.errors import SyncError, TrainError
 from gradaccum.precision import accum_dtype_of, dtype_name, dtype_of
 from gradaccum.train.config import TrainConfig
 
-__all__ = ["build_model", "build_optimizer", "param_dtype_of", "stored_dtype"]
+__all__ = ["build_model", "build_optimizer", "check_resumed_dtype", "param_dtype_of", "stored_dtype"]
 
 
 def param_dtype_of(workload: Workload, config: TrainConfig) -> torch.dtype | None:
@@ -55,6 +57,17 @@ def stored_dtype(model: nn.Module) -> str:
         if p.requires_grad and p.is_floating_point():
             sizes[dtype_name(p.dtype)] = sizes.get(dtype_name(p.dtype), 0) + p.numel()
     return max(sizes, key=lambda name: sizes[name]) if sizes else "float32"
+
+
+def check_resumed_dtype(meta: dict[str, Any], model: nn.Module) -> None:
+    """Refuse resuming a checkpoint whose parameters were stored in another dtype (loading would cast
+    them silently); a checkpoint written before the field is not checked."""
+    saved, now = meta.get("param_dtype"), stored_dtype(model)
+    if saved is not None and saved != now:
+        raise TrainError(
+            f"checkpoint {meta.get('path')} holds {saved} parameters, this run stores them in {now}; "
+            f"resume with --param-dtype {saved}, or start a new run"
+        )
 
 
 def _stored(model: nn.Module) -> list[str]:

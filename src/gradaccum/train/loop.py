@@ -40,7 +40,7 @@ from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
 from gradaccum.step.noise import NoiseScale
 from gradaccum.train.batch_schedule import BatchChange, CriticalBatchSchedule
-from gradaccum.train.build import build_model, build_optimizer, stored_dtype
+from gradaccum.train.build import build_model, build_optimizer, check_resumed_dtype, stored_dtype
 from gradaccum.train.checkpoint import (
     TrainProgress,
     load_checkpoint,
@@ -207,6 +207,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
             plan=config.plan,
             precision=config.precision,
         )
+        check_resumed_dtype(meta, model)
         resumed_from, checkpoint_schedule = Path(meta["path"]), meta.get("schedule")
         skipped = tuple(meta["skipped"])
     batch = _batch_schedule(config, None if point is None else meta.get("batch_schedule"), resumed_from)
