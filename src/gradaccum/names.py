@@ -22,10 +22,12 @@ __all__ = [
     "HF_PREFIX",
     "MAX_TRACE_STEPS",
     "NORMALIZATIONS",
+    "PARAM_DTYPES",
     "PRECISIONS",
     "TRACE_DTYPES",
     "VERIFY_DTYPES",
     "Normalization",
+    "ParamDtype",
     "Precision",
     "accum_dtype_name",
 ]
@@ -33,6 +35,11 @@ __all__ = [
 Precision = Literal["float64", "float32", "bfloat16", "float16"]
 PRECISIONS: tuple[Precision, ...] = ("float64", "float32", "bfloat16", "float16")
 """Every precision a command, a run card or a training run takes."""
+
+ParamDtype = Literal["saved", "float32", "bfloat16", "float16", "float64"]
+PARAM_DTYPES: tuple[ParamDtype, ...] = ("saved", "float32", "bfloat16", "float16", "float64")
+"""What ``train --param-dtype`` stores the parameters in: ``saved``, the dtype the workload builds
+them in (an ``hf:`` folder's saved ``torch_dtype``), or that dtype; the compute precision is apart."""
 
 VERIFY_DTYPES: tuple[Precision, ...] = ("float64", "float32")
 """The dtypes the equivalence check's first stage declares tolerances for (the keys of

@@ -35,6 +35,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 OPTIMIZERS = ("workload", "adamw", "sgd")
+_STORED_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +84,11 @@ class RunCard:
     """A routing (mixture-of-experts) model's load balance as it ran: ``{"mode": "exact" | "lagged" |
     "micro-batch" | "off", "coef": the balancing term's coefficient}``; ``train --runcard`` runs the
     same mode. ``None``: a dense model, or a card written before the field (the model's own choice)."""
+    param_dtype: str | None = None
+    """The dtype the parameters were stored and trained in (``train --param-dtype``; the largest share
+    of a mixed model), apart from the compute ``precision``: ``train --runcard`` stores them so.
+    ``None``: a card of ``accept`` (float32 parameters, float64 under precision float64) or one written
+    before the field (float32 for an ``hf:`` folder)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -93,6 +99,11 @@ class RunCard:
             raise RunCardError(f"run card 'compile' must be true or false, got {self.compile!r}")
         if self.balance is not None:
             _check_balance(self.balance)
+        if self.param_dtype is not None and self.param_dtype not in _STORED_DTYPES:
+            raise RunCardError(
+                f"run card 'param_dtype' must be null or one of {', '.join(_STORED_DTYPES)}, got "
+                f"{self.param_dtype!r} (edited by hand?)"
+            )
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -141,6 +152,7 @@ class RunCard:
             "compile": self.compile,
             "max_tokens": self.max_tokens,
             "balance": None if self.balance is None else dict(self.balance),
+            "param_dtype": self.param_dtype,
         }
 
     @classmethod
@@ -221,6 +233,7 @@ class RunCard:
             compile=data.get("compile", False),
             max_tokens=max_tokens,
             balance=data.get("balance"),
+            param_dtype=data.get("param_dtype"),
         )
 
 

@@ -19,8 +19,8 @@ def test_a_run_card_records_accum_dtype_and_train_replays_it(
 ) -> None:
     plan = BatchPlan(micro_batch=4, accum_steps=2, dp=1)
     accum = AccumConfig(accum_dtype="float32")
-    card, built, trained = train_from_accum_card(
-        tmp_path, monkeypatch, "gradaccum.examples:tiny_gpt", plan, accum, steps=1
+    card, built, trained = train_from_accum_card(  # bfloat16 parameters: accum_dtype widens them
+        tmp_path, monkeypatch, "tests.helpers.moe_workloads:bf16_gpt", plan, accum, steps=1
     )
     assert read_runcard(card).accum.accum_dtype == "float32"
     assert [acc.config.accum_dtype for acc in built] == ["float32"]

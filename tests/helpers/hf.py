@@ -74,7 +74,10 @@ def tiny_llama_config(
     )
 
 
-def make_model_folder(folder: Path, *, weights: bool, seed: int = 1, max_positions: int = 64) -> Path:
+def make_model_folder(
+    folder: Path, *, weights: bool, seed: int = 1, max_positions: int = 64, dtype: torch.dtype | None = None
+) -> Path:
+    """``dtype``: save the weights in it (a bfloat16 folder, as most published checkpoints are)."""
     from transformers import LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -85,7 +88,7 @@ def make_model_folder(folder: Path, *, weights: bool, seed: int = 1, max_positio
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)
-        model.save_pretrained(folder)
+        model.to(dtype or torch.float32).save_pretrained(folder)
     else:
         config.save_pretrained(folder)
     return folder

@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,7 @@ from gradaccum.errors import (
     TooManySkipsError,
     TrainError,
 )
-from gradaccum.names import PRECISIONS
+from gradaccum.names import PARAM_DTYPES, PRECISIONS
 from gradaccum.train import spec as train_spec
 from gradaccum.train.batch_schedule import DEFAULT_GROWTH, DEFAULT_LR_RULE, DEFAULT_MIN_UPDATES, LR_RULES
 from gradaccum.train.spec import TrainSpec
@@ -131,6 +132,15 @@ def _add_what(what: argparse._ArgumentGroup) -> None:
             f"examples per forward pass on each rank (default {train_spec.DEFAULT_MICRO_BATCH})",
         ),
         Flag(
+            "--accum-steps",
+            "K",
+            int_at_least(1),
+            "micro-batches per optimizer step on each rank (gradient_accumulation_steps, "
+            "accumulate_grad_batches); global batch = micro-batch x processes x K, checked against "
+            "--global-batch and --micro-batch when given (default: --global-batch / (--micro-batch x "
+            "processes); with K alone the micro-batch keeps its default and the global batch follows)",
+        ),
+        Flag(
             "--max-tokens",
             "N",
             int_at_least(1),
@@ -142,7 +152,16 @@ def _add_what(what: argparse._ArgumentGroup) -> None:
     what.add_argument(
         "--precision",
         choices=PRECISIONS,
-        help="compute precision; float16 adds a GradScaler (default float32)",
+        help="compute precision; bfloat16 and float16 run under autocast, float16 adds a GradScaler "
+        "(default float32; the parameters' dtype is --param-dtype)",
+    )
+    what.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        help="the dtype the parameters are stored, trained and checkpointed in: saved (as the workload "
+        "builds them: an hf: folder's saved dtype, float64 under --precision float64) or a dtype; "
+        "bfloat16 parameters take --accum-dtype float32 for exact float32 sums of their gradients "
+        "(default saved; the banner and the run card say which)",
     )
     add_flags(what, Flag("--seed", "S", int_at_least(0), "data stream and dropout seed (default 0)"))
 
@@ -386,6 +405,7 @@ def _err(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.started = time.monotonic()  # the summary sets the training loop's time beside the command's
     leader = int(os.environ.get("RANK", "0")) == 0
     # installed before torch and the training code import: a signal then exits at once (nothing
     # written yet)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import os
 import pkgutil
@@ -61,6 +62,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        # a prefix of a flag is refused, never read as the flag (--max-token is not --max-tokens)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -81,6 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
         if info.name.startswith("cmd_"):
             importlib.import_module(f"gradaccum.cli.{info.name}").register(subparsers)
     return parser
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
+    """Exit 2 on arguments no parser took, in the subcommand's own usage, naming the flags that a
+    mistyped or shortened one may have meant (flags are never abbreviated)."""
+    command = getattr(args, "command", None)
+    owner = parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            owner = action.choices[command]
+    flags = [flag for action in owner._actions for flag in action.option_strings if flag.startswith("--")]
+    hints = []
+    for word in unknown:
+        name = word.partition("=")[0]
+        if not name.startswith("--"):
+            continue
+        near = [f for f in flags if f.startswith(name)] or difflib.get_close_matches(name, flags, n=2)
+        if near:
+            hints.append(f"{name}: did you mean {' or '.join(near)}?")
+    hint = f" (flags are not abbreviated; {'; '.join(hints)})" if hints else ""
+    owner.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
 def _command(argv: Sequence[str]) -> str:
@@ -129,7 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         previous = {sig: signal.signal(sig, loading) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            _refuse_unknown(parser, args, unknown)
         if main_thread:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, _on_sigterm)

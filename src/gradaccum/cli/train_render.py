@@ -24,9 +24,11 @@ __all__ = [
     "checkpoint_policy",
     "compile_seconds",
     "count",
+    "evaluation_words",
     "final_batch_words",
     "fmt",
     "loss_summary",
+    "param_words",
 ]
 
 
@@ -92,9 +94,14 @@ class TrainRenderer:
             checked = f" (from run card {escape(str(self.args.runcard))})"
         else:
             checked = f" (checked against --global-batch {cfg.plan.global_batch})"
+            if getattr(self.args, "accum_steps", None) is not None:
+                given = f", checked against --global-batch {cfg.plan.global_batch}"
+                checked = f" (--accum-steps {cfg.plan.accum_steps}{given if self.args.global_batch else ''})"
         console.print(f"batch equation: {start.equation}{checked}")
         for line in self.notes:
             console.print(escape(line))
+        if start.data is not None:
+            console.print(escape(start.data))
         sched = start.schedule
         per_step = max(start.tokens_per_step, 1)
         if sched["clock"] == "steps":
@@ -107,7 +114,7 @@ class TrainRenderer:
         threads = torch.get_num_threads()
         console.print(
             f"{count(start.world, 'process')} on {start.device}, precision {cfg.precision} (compute), "
-            f"parameters {start.param_dtypes or 'unknown'}{layout}; "
+            f"parameters {start.param_dtypes or 'unknown'}{param_words(cfg, start.param_dtypes)}{layout}; "
             f"workload {escape(cfg.workload)}; torch threads per process: {threads}"
             + (" (--threads)" if self.args.threads is not None else "")
         )
@@ -130,8 +137,9 @@ class TrainRenderer:
         if start.balance is not None:
             console.print(escape(start.balance))
         console.print(escape(checkpoint_policy(cfg)))
-        if start.evaluation is not None:
-            console.print(escape(start.evaluation))
+        evaluation = evaluation_words(cfg, start.evaluation)
+        if evaluation is not None:
+            console.print(escape(evaluation))
         if start.batch_schedule is not None:
             b = start.batch_schedule
             grown = [c["global_batch"] for c in b["changes"]]
@@ -156,6 +164,10 @@ class TrainRenderer:
                 f"warmup {was['warmup']:,}, horizon {was['horizon']:,}; from here the learning rate follows "
                 "this run's"
             )
+        console.print(
+            "throughput: tok/s counts valid tokens over the windows' own time (drawing the data and the "
+            "step), without checkpoints, evaluation, records or start-up; the summary gives both clocks"
+        )
         console.print(f"run folder: {escape(start.run_dir)}")
         if console.is_terminal:
             self.progress = Progress(
@@ -249,12 +261,16 @@ class TrainRenderer:
             rest = result.wall_s - compiling_s
             wall_rate = p.tokens_consumed / rest if rest > 0 else 0.0
             wall_words = f"the {rest:,.1f} s wall time without compiling"
+        started = getattr(self.args, "started", None)
+        command = "" if started is None else f" of the {time.monotonic() - started:,.1f} s command"
         console.print(
             f"{result.stopped}: {count(p.windows, 'boundary')}, "
             f"{count(p.steps_applied, 'update')} applied, "
             f"{p.steps_skipped} skipped; {p.tokens_consumed:,} tokens consumed; {in_windows:,.0f} tok/s in "
             + ("the training windows that did not compile" if compiled else "training windows")
+            + f" (over their own {self.seconds:,.2f} s: the step lines' figure)"
             + f", {wall_rate:,.0f} tok/s over {wall_words} (with checkpoints, evaluation and records)"
+            + (f"{command} (start-up, model and data loading included)" if command else "")
             + (f"; loss scale {result.loss_scale:g}" if result.loss_scale is not None else "")
         )
         run_dir = result.run_dir
@@ -269,6 +285,38 @@ class TrainRenderer:
         )
         if result.stopped != "completed":
             console.print(escape(f"resume with: {resume}"))
+
+
+def param_words(cfg: TrainConfig, stored: str) -> str:
+    """Where the parameters' dtype comes from, and what the layers compute in when no autocast
+    narrows them (precision float32 on bfloat16 parameters computes in bfloat16)."""
+    source = (
+        " (float64 for --precision float64)"
+        if cfg.precision == "float64"
+        else " (--param-dtype saved: as the folder saved them)"
+        if cfg.param_dtype == "saved" and cfg.workload.startswith("hf:")
+        else " (--param-dtype saved: as the workload builds them)"
+        if cfg.param_dtype == "saved"
+        else f" (--param-dtype {cfg.param_dtype})"
+    )
+    narrow = next((name for name in ("bfloat16", "float16") if stored.startswith(name)), None)
+    if narrow is not None and cfg.precision == "float32":
+        source += f", computing in {narrow} (no autocast at precision float32)"
+    if cfg.accum.accum_dtype is not None:
+        source += f", gradients summed in {cfg.accum.accum_dtype} (--accum-dtype)"
+    return source
+
+
+def evaluation_words(cfg: TrainConfig, held_out: str | None) -> str | None:
+    """The evaluation line: what is held out, and whether and when it is evaluated."""
+    if cfg.eval_every is None:
+        if held_out is None or "evaluation is refused" in held_out:
+            return held_out
+        return f"{held_out}; not evaluated: no --eval-every (add --eval-every N to evaluate them)"
+    when = f"every {count(cfg.eval_every, 'boundary')} and at the end"
+    if held_out is None:
+        return f"evaluation: {when}, on {count(cfg.eval_examples, 'example')} of the workload's held-out draw"
+    return f"{held_out}; evaluated {when}, on {count(cfg.eval_examples, 'example')} drawn from them each time"
 
 
 def budget_words(record: StepRecord) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradaccum.errors import TrainError
-from gradaccum.names import DEFAULT_WORKLOAD, PRECISIONS, Precision
+from gradaccum.names import DEFAULT_WORKLOAD, PARAM_DTYPES, PRECISIONS, ParamDtype, Precision
 from gradaccum.plan import BatchPlan
 from gradaccum.step.config import AccumConfig
 from gradaccum.train.batch_schedule import CriticalBatchConfig
@@ -67,6 +67,10 @@ class TrainConfig:
     """Decoupled weight decay (``adamw``) or L2 penalty (``sgd``)."""
     precision: Precision = "float32"
     """Compute precision; see :data:`Precision`."""
+    param_dtype: ParamDtype = "saved"
+    """The dtype the parameters are stored, trained and checkpointed in: ``saved``, as the workload
+    builds them (an ``hf:`` folder's saved ``torch_dtype``; float64 under precision float64), or a
+    dtype name (:func:`gradaccum.train.build.build_model`)."""
     accum: AccumConfig = field(
         default_factory=lambda: AccumConfig(
             max_grad_norm=DEFAULT_MAX_GRAD_NORM, track_grad_norm=True, max_consecutive_skips=DEFAULT_MAX_SKIPS
@@ -147,6 +151,10 @@ class TrainConfig:
         _positive("eval_examples", self.eval_examples, allow_none=False)
         if self.precision not in PRECISIONS:
             raise TrainError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise TrainError(
+                f"param_dtype must be one of {', '.join(PARAM_DTYPES)}, got {self.param_dtype!r}"
+            )
         if self.balance is not None and self.balance not in BALANCE_CHOICES:
             raise TrainError(
                 f"balance must be one of {', '.join(BALANCE_CHOICES)} or None, got {self.balance!r}"

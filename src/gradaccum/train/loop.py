@@ -40,7 +40,13 @@ from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
 from gradaccum.step.noise import NoiseScale
 from gradaccum.train.batch_schedule import BatchChange, CriticalBatchSchedule
-from gradaccum.train.build import build_model, build_optimizer
+from gradaccum.train.build import (
+    build_model,
+    build_optimizer,
+    check_resumed_dtype,
+    param_dtypes,
+    stored_dtype,
+)
 from gradaccum.train.checkpoint import (
     TrainProgress,
     load_checkpoint,
@@ -215,6 +221,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
             seed=config.seed,
             workload=config.workload,
         )
+        check_resumed_dtype(meta, model)
         resumed_from, checkpoint_schedule = Path(meta["path"]), meta.get("schedule")
         skipped = tuple(meta["skipped"])
         resumes = (*meta.get("resumes", ()), layout.resume_record(meta, asdict(progress)))
@@ -380,21 +387,6 @@ def _critical_batch(workload: Workload, s: _Session) -> tuple[NoiseScale | None,
     return noise, noise.describe(units, workload.unit)
 
 
-def _param_dtypes(model: nn.Module) -> str:
-    """The dtypes of ``model``'s trainable parameters, by share: ``bfloat16``, or ``float32 (90%),
-    bfloat16 (10%)`` for a mixed model."""
-    sizes: dict[str, int] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            name = str(p.dtype).removeprefix("torch.")
-            sizes[name] = sizes.get(name, 0) + p.numel()
-    total = sum(sizes.values())
-    if len(sizes) <= 1:
-        return next(iter(sizes), "none")
-    ranked = sorted(sizes.items(), key=lambda item: -item[1])
-    return ", ".join(f"{name} ({100 * n / total:.0f}%)" for name, n in ranked)
-
-
 def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None:
     noise, words = _critical_batch(workload, s)
     card = RunCard(
@@ -411,6 +403,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
         compile=config.compile,
         max_tokens=config.max_tokens,
         balance=None if s.balance is None else s.balance.to_dict(),
+        param_dtype=stored_dtype(s.model),
         **environment(s.device),
         extra={
             "schedule": s.schedule.to_dict(),
@@ -431,6 +424,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
             **({} if noise is None else {"noise_scale": {**noise.to_dict(), "critical_batch": words}}),
             **({} if s.batch is None else {"batch_schedule": s.batch.to_dict()}),
             **({"evaluation": held} if (held := held_out_summary(workload)) else {}),
+            **({"data": workload.extras["data"]} if "data" in workload.extras else {}),
         },
     )
     write_runcard(card, config.run_dir / RUNCARD_FILE)
@@ -489,13 +483,18 @@ def train(
             unit=workload.unit,
             evaluation=held_out_summary(workload).get("summary"),
             balance=None if s.balance is None else s.balance.describe(),
-            param_dtypes=_param_dtypes(s.model),
+            param_dtypes=param_dtypes(s.model),
             experts=experts,
             resumed_layout=moved_layout(s.resumes),
+            data=workload.extras.get("data", {}).get("summary"),
         )
     )
     meta: dict[str, Any] = {"workload": config.workload, "precision": config.precision, "seed": config.seed}
-    meta |= {"schedule": s.schedule.to_dict(), "resumes": list(s.resumes)}
+    meta |= {
+        "schedule": s.schedule.to_dict(),
+        "resumes": list(s.resumes),
+        "param_dtype": stored_dtype(s.model),
+    }
 
     def done() -> bool:
         p = s.progress

@@ -88,6 +88,9 @@ class TrainStart:
     resumed_layout: str | None = None
     """Set when the run resumed a checkpoint written on another layout, in words: that layout and
     this one (:mod:`gradaccum.train.layout`); the trajectory is the same."""
+    data: str | None = None
+    """An ``hf:`` workload's data file in words: its documents and the lines skipped (blank, or with
+    no text), so that nothing is dropped unsaid; ``None`` for a workload that makes its own batches."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gradaccum.errors import PlanError, RunCardError
-from gradaccum.names import DEFAULT_WORKLOAD
+from gradaccum.names import DEFAULT_WORKLOAD, HF_PREFIX
 from gradaccum.plan import BatchPlan
 from gradaccum.runcard import RunCard, read_runcard
 from gradaccum.step.config import AccumConfig
@@ -57,8 +57,10 @@ _RESOLVED = frozenset(
         "runcard",
         "global_batch",
         "micro_batch",
+        "accum_steps",
         "max_tokens",
         "precision",
+        "param_dtype",
         "seed",
         "steps",
         "optimizer",
@@ -136,10 +138,55 @@ def _token_plan(global_batch: int, world: int) -> BatchPlan:
     return BatchPlan(micro_batch=global_batch // world, accum_steps=1, dp=world)
 
 
+def _accum_plan(spec: TrainSpec, k: int, world: int) -> BatchPlan:
+    """``--accum-steps K``: global batch = micro-batch x processes x K, with the micro-batch (or the
+    global batch) given or by default; a contradiction with the given flags is refused on one line,
+    naming the flags, their values and what would fit."""
+    processes = f"{world:,} {'process' if world == 1 else 'processes'}"
+    if spec.global_batch is None:
+        micro = _given(spec.micro_batch, DEFAULT_MICRO_BATCH)
+        return BatchPlan(micro_batch=micro, accum_steps=k, dp=world)
+    g = spec.global_batch
+    if spec.micro_batch is None:
+        if g % (world * k) == 0:
+            return BatchPlan(micro_batch=g // (world * k), accum_steps=k, dp=world)
+        steps = _nearest([d for d in range(1, g + 1) if g % (world * d) == 0], k)
+        other = f"--accum-steps {' or '.join(map(str, steps))}, or " if steps else ""
+        raise PlanError(
+            f"--global-batch {g} with --accum-steps {k} on {processes}: global batch = micro-batch x "
+            f"processes x accum steps, and {g} is not a multiple of {world} x {k} = {world * k}; use "
+            f"{other}--global-batch {' or '.join(map(str, _multiples(g, world * k)))}"
+        )
+    m = spec.micro_batch
+    if m * world * k == g:
+        return BatchPlan(micro_batch=m, accum_steps=k, dp=world)
+    hints = [] if g % (m * world) else [f"--accum-steps {g // (m * world)} for --global-batch {g}"]
+    raise PlanError(
+        f"--global-batch {g} contradicts --micro-batch {m} x {processes} x --accum-steps {k} = "
+        f"{m * world * k} (global batch = micro-batch x processes x accum steps); use "
+        + " or ".join([*hints, f"--global-batch {m * world * k}", "two of the three flags"])
+    )
+
+
+def _nearest(values: list[int], k: int) -> list[int]:
+    """The one or two ``values`` nearest ``k`` (below and above)."""
+    below = [v for v in values if v < k]
+    above = [v for v in values if v > k]
+    return [*below[-1:], *above[:1]]
+
+
+def _multiples(g: int, step: int) -> list[int]:
+    """The multiples of ``step`` nearest ``g``."""
+    below = (g // step) * step
+    return [m for m in (below, below + step) if m > 0]
+
+
 def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]:
     global_batch = _given(spec.global_batch, DEFAULT_GLOBAL_BATCH)
     if spec.max_tokens is not None:
         plan = _token_plan(global_batch, world)
+    elif spec.accum_steps is not None:
+        plan = _accum_plan(spec, spec.accum_steps, world)
     else:
         plan = BatchPlan.solve(
             global_batch=global_batch, micro_batch=_given(spec.micro_batch, DEFAULT_MICRO_BATCH), dp=world
@@ -158,6 +205,7 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
     fixed = {
         "workload": _given(spec.workload, DEFAULT_WORKLOAD),
         "precision": _given(spec.precision, "float32"),
+        "param_dtype": _given(spec.param_dtype, "saved"),
         "seed": _given(spec.seed, 0),
         "accum": accum,
         "optimizer": _given(spec.optimizer, DEFAULT_OPTIMIZER),
@@ -225,6 +273,7 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
     fixed = {
         "workload": card.workload,
         "precision": card.precision,
+        "param_dtype": _card_param_dtype(card),
         "seed": card.seed,
         "accum": replace(
             card.accum,
@@ -253,6 +302,7 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         f"{card.precision}"
         + (" (with a GradScaler)" if card.precision == "float16" else "")
         + f"; seed {card.seed}"
+        + f"; parameters {_param_words(str(fixed['param_dtype']), card.precision)}"
         + ("; compiled (torch.compile)" if card.compile else ""),
         f"from run card: optimizer {optimizer}",
         f"from run card: accumulation {accum}",
@@ -268,6 +318,20 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
     return card.plan, fixed, notes
 
 
+def _card_param_dtype(card: RunCard) -> str:
+    """The parameters' dtype a card records; a card written before the field: float32 for an ``hf:``
+    folder (which trained float32 parameters then), else the workload's own (``saved``)."""
+    if card.param_dtype is not None:
+        return card.param_dtype
+    return "float32" if card.workload.startswith(HF_PREFIX) else "saved"
+
+
+def _param_words(param_dtype: str, precision: str) -> str:
+    if precision == "float64":
+        return "float64"
+    return "as the workload builds them" if param_dtype == "saved" else param_dtype
+
+
 def _flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
@@ -276,6 +340,10 @@ def _card_value(card: RunCard, name: str) -> str:
     values = {
         "workload": card.workload,
         "global_batch": f"{card.plan.global_batch} ({card.plan.equation()})",
+        "accum_steps": f"{card.plan.accum_steps} ({card.plan.equation()})"
+        if card.max_tokens is None
+        else f"max_tokens {card.max_tokens}, accum steps by the lengths",
+        "param_dtype": card.param_dtype or "none recorded (float32 for hf: folders)",
         "micro_batch": f"{card.plan.micro_batch} ({card.plan.equation()})"
         if card.max_tokens is None
         else f"max_tokens {card.max_tokens}, no fixed micro-batch",

@@ -63,8 +63,9 @@ ACCUM_SETTINGS = (
         flag="--accum-dtype",
         choices=ACCUM_DTYPES,
         help="accumulate the gradients of bfloat16/float16 parameters over the window in this dtype, "
-        "rounded once into the parameters' dtype before the optimizer step (default: none, the "
-        "parameters' own dtype, as torch does)",
+        "rounded once into the parameters' dtype before the optimizer step; refused on parameters "
+        "it cannot widen (float32 ones: see --param-dtype) (default: none, the parameters' own dtype, "
+        "as torch does)",
         commands=("train",),
     ),
     RunSetting(

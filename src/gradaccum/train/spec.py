@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 from gradaccum.errors import PlanError, TrainError
-from gradaccum.names import PRECISIONS, Precision
+from gradaccum.names import PARAM_DTYPES, PRECISIONS, ParamDtype, Precision
 from gradaccum.train.batch_schedule import LR_RULES, LrRule
 from gradaccum.train.settings import RUN_SETTINGS
 from gradaccum.values import require_int
@@ -82,8 +82,10 @@ CARD_FIELDS = (
     "workload",
     "global_batch",
     "micro_batch",
+    "accum_steps",
     "max_tokens",
     "precision",
+    "param_dtype",
     "seed",
     "optimizer",
     "lr",
@@ -113,6 +115,7 @@ beside ``runcard`` they are refused like :data:`CARD_FIELDS`."""
 _POSITIVE_OR_UNSET = (
     "global_batch",
     "micro_batch",
+    "accum_steps",
     "max_tokens",
     "steps",
     "tokens",
@@ -136,12 +139,21 @@ class TrainSpec:
     """Examples per optimizer step, all ranks; ``None``: :data:`DEFAULT_GLOBAL_BATCH`."""
     micro_batch: int | None = None
     """Examples per forward pass on each rank; ``None``: :data:`DEFAULT_MICRO_BATCH`."""
+    accum_steps: int | None = None
+    """Micro-batches per optimizer step on each rank (``gradient_accumulation_steps``); the batch
+    equation global batch = micro-batch x processes x accum steps is checked against the given
+    ``global_batch`` and ``micro_batch`` (:func:`gradaccum.train.resolve.resolve_spec`); ``None``:
+    ``global_batch / (micro_batch x processes)``."""
     max_tokens: int | None = None
     """Instead of ``micro_batch``: micro-batches of at most this many tokens (rows x longest row),
     the window's rows sorted by length and balanced across ranks (:func:`gradaccum.split_by_tokens`);
     ``None``: fixed micro-batches."""
     precision: Precision | None = None
     """Compute precision; ``None``: float32."""
+    param_dtype: ParamDtype | None = None
+    """The dtype the parameters are stored and trained in (:data:`PARAM_DTYPES`): ``saved``, the
+    dtype the workload builds them in (an ``hf:`` folder's saved ``torch_dtype``), or a dtype name;
+    ``None``: ``saved`` (float64 under ``precision`` float64)."""
     seed: int | None = None
     """Data stream and dropout seed; ``None``: 0."""
     steps: int | None = None
@@ -252,6 +264,18 @@ class TrainSpec:
             raise PlanError(
                 f"--max-tokens {self.max_tokens} cuts each window into micro-batches by tokens, instead of "
                 f"--micro-batch {self.micro_batch} rows: give one of them"
+            )
+        if self.max_tokens is not None and self.accum_steps is not None:
+            raise PlanError(
+                f"--max-tokens {self.max_tokens} cuts each window into micro-batches by tokens, so their "
+                f"number follows the lengths; --accum-steps {self.accum_steps} fixes it: give one of them"
+            )
+        _choice("param_dtype", self.param_dtype, PARAM_DTYPES)
+        if self.precision == "float64" and self.param_dtype not in (None, "saved", "float64"):
+            raise PlanError(
+                f"--precision float64 computes in float64 with float64 parameters; --param-dtype "
+                f"{self.param_dtype} would store them narrower: drop --param-dtype, or choose another "
+                "--precision"
             )
         if self.max_tokens is not None and self.batch_schedule == "critical":
             raise PlanError(

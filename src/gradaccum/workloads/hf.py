@@ -36,10 +36,18 @@ from gradaccum.errors import GradAccumError, WorkloadError
 from gradaccum.loss import CausalLMLoss
 from gradaccum.packing import Packed, pack, pad, pieces
 from gradaccum.workloads.base import Workload
-from gradaccum.workloads.data import read_documents
+from gradaccum.workloads.data import count_of, read_data_file
 from gradaccum.workloads.spec import DEFAULT_SEQ_LEN, HFSpec
 
-__all__ = ["EXTRA", "HELD_OUT_FRACTION", "INIT_SEED", "MIN_ROWS_TO_HOLD_OUT", "hf_workload", "repeats"]
+__all__ = [
+    "EXTRA",
+    "HELD_OUT_FRACTION",
+    "INIT_SEED",
+    "MIN_ROWS_TO_HOLD_OUT",
+    "hf_workload",
+    "repeats",
+    "saved_dtype",
+]
 
 EXTRA = "gradaccum[transformers]"
 """The optional extra that installs what an ``hf:`` workload imports."""
@@ -57,6 +65,7 @@ _WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+_SAVED_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -125,8 +134,21 @@ def _from_pretrained(auto: Any, folder: Path, what: str, fix: str) -> Any:
         raise WorkloadError(f"cannot {what} of {str(folder)!r}: {type(exc).__name__}: {exc}{fix}") from None
 
 
+def saved_dtype(config: Any) -> str:
+    """The dtype the folder's parameters were saved in (``config.json``'s ``dtype``, ``torch_dtype``
+    before transformers 4.56), by name; float32 when the config names none."""
+    value = getattr(config, "dtype", None)
+    if value is None:
+        value = vars(config).get("torch_dtype")
+    name = str(value).removeprefix("torch.") if value is not None else "float32"
+    return name if name in _SAVED_DTYPES else "float32"
+
+
 def _model_builder(transformers: Any, folder: Path, config: Any, weights: bool) -> Callable[[], nn.Module]:
-    """``build_model``: the folder's model (float32, ``use_cache`` off), loaded once and copied."""
+    """``build_model``: the folder's model (float32, ``use_cache`` off), loaded once and copied.
+    float32 whatever the folder's dtype, as ``verify``, ``bench`` and ``accept`` measure; ``train``
+    stores the parameters in the saved dtype (``extras["saved_dtype"]``) or ``--param-dtype``'s: a
+    bfloat16 or float16 folder's values survive the float32 copy exactly."""
     template: list[nn.Module] = []
 
     def load() -> nn.Module:
@@ -222,10 +244,6 @@ def repeats(rows: int, examples: int, data: str) -> str | None:
     )
 
 
-def count_of(n: int, word: str) -> str:
-    return f"{n:,} {word if n == 1 else word + 's'}"
-
-
 def _sampler(
     rows: dict[str, torch.Tensor], held_out: dict[str, torch.Tensor] | None, data: str, verify_batch: int
 ) -> Callable[[int, int], Batch]:
@@ -265,12 +283,14 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
         )
     folder = Path(spec.model_dir)
     weights, _ = _check_folder(folder)
-    texts = read_documents(spec.data, text_field=spec.text_field)
+    data_file = read_data_file(spec.data, text_field=spec.text_field)
+    texts = data_file.documents
     transformers = _transformers()
     with _quiet(transformers):
         tokenizer = _load_tokenizer(transformers, folder)
         config = _load_config(transformers, folder)
     documents = _tokenize(tokenizer, texts, spec.data)
+    data = data_file.summary(untokenized=len(texts) - len(documents))  # nothing dropped unsaid
     seq_len = _seq_len(config, spec, folder)
     _check_vocab(config, documents, folder)
     pad_id = next(
@@ -311,5 +331,7 @@ def hf_workload(spec: HFSpec, *, batch_size: int = 8, micro_batch: int = 2) -> W
             "spec": spec,
             "train_rows": n_train,
             "held_out_rows": n_held,
+            "saved_dtype": saved_dtype(config),
+            "data": data,
         },
     )
