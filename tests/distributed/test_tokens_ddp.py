@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gradaccum
+import gradaccum.tokens
+from gradaccum.tokens.split import plan_batch
 from tests.helpers.ddp import wrap
 from tests.helpers.launcher import run_ranks, values
 
@@ -167,3 +169,39 @@ def test_a_prompt_only_row_leaves_no_rank_without_a_micro_batch() -> None:
     for name, value in want.items():  # the tolerance of the test above, for the same reason
         assert all(torch.equal(r["params"][name], ranks[0]["params"][name]) for r in ranks), name
         assert (ranks[0]["params"][name] - value).abs().max().item() < 1e-10, name
+
+
+def _cost_rank_step(rank: int, world: int) -> dict[str, Any]:
+    cost = gradaccum.tokens.transformer_cost(WIDTH)
+    micro_batches = gradaccum.split_by_tokens(window(), BUDGET, rank=rank, world=world, cost=cost)
+    ddp, _ = wrap(CausalAttention())
+    acc = gradaccum.Accumulator(ddp, torch.optim.SGD(ddp.parameters(), lr=LR))
+    result = acc.step(micro_batches, loss_fn, count_fn)
+    return {
+        "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
+        "rows": sorted(
+            tuple(mb["input_ids"][i].tolist()) for mb in micro_batches for i in range(len(mb["input_ids"]))
+        ),
+        "shapes": [tuple(mb["input_ids"].shape) for mb in micro_batches],
+        "applied": result.applied,
+    }
+
+
+def test_ranks_balanced_by_compute_cost_match_the_full_batch() -> None:
+    """The same window balanced by ``transformer_cost``: other rows on each rank than the token
+    balance deals, the same update (the tolerance of the first test, for the same reason)."""
+    r0, r1 = values(run_ranks(_cost_rank_step, timeout_s=120))
+    by_tokens = [gradaccum.split_by_tokens(window(), BUDGET, rank=r, world=2) for r in range(2)]
+    assert [r0["shapes"], r1["shapes"]] != [
+        [tuple(mb["input_ids"].shape) for mb in rank] for rank in by_tokens
+    ]
+    assert all(rows * seq <= BUDGET for r in (r0, r1) for rows, seq in r["shapes"])
+    assert r0["applied"] and r1["applied"]
+    assert len(r0["rows"]) + len(r1["rows"]) == 24
+    want = _full_batch_update()
+    for name, value in want.items():
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
+        assert (r0["params"][name] - value).abs().max().item() < 1e-10, name
+    cost = gradaccum.tokens.transformer_cost(WIDTH)
+    balanced = plan_batch(window(), BUDGET, world=2, cost=cost).cost_imbalance()
+    assert balanced <= plan_batch(window(), BUDGET, world=2).cost_imbalance(cost)

@@ -1,0 +1,275 @@
+"""Balancing the ranks by compute cost instead of valid tokens: the cost model and the row moves.
+
+A token budget's plan balances the ranks' valid tokens (:mod:`gradaccum.tokens.balance`). That is
+the right measure while a transformer's time is its projections and MLPs, which grow with tokens;
+attention grows with the square of a row's length, so on long-tailed lengths (a few rows of
+thousands of tokens beside many short ones) the rank holding the long rows computes more for the
+same tokens and every other rank waits for it at the gradient all-reduce.
+
+``cost`` is a callable on one micro-batch's row lengths (its rows' valid tokens) returning that
+micro-batch's compute cost; it need not be a sum over rows (a fixed cost per micro-batch, a cost
+of the padded shape). The plan balances the ranks' totals of whatever it returns.
+
+:func:`transformer_cost` is the built-in. Per layer and per token, a transformer's linear layers
+(the query, key, value and output projections, 4·d² multiply-adds; an MLP of width 4d, 8·d²) take
+about 24·d² FLOPs forward, and attention (the scores q·kᵀ over the row's L keys, then the weighted
+sum of L values, L·d multiply-adds each) about 4·L·d. A row of length L so costs
+``L · 24·d² · (1 + L / (6·d))``; in units of one token's linear layers that is
+``L · (1 + L / (6·d))``, per layer (the backward pass is about twice the forward for both terms, so
+the ratio holds). A row of ``6·d`` tokens costs twice its tokens; at d = 4096 that is 24k tokens.
+The embedding and the output head are per token and left out (they add to the linear term, so the
+formula weighs attention slightly high on models with a large vocabulary against a small d); a
+causal kernel that skips the masked half of the scores halves the attention term.
+
+The balancer here works after the plan's cut and largest differencing (both run on the
+micro-batches' costs): it moves whole micro-batches, swaps them, and moves or swaps single rows
+between the heaviest rank and the lightest one that a move helps, each move the one that lowers
+the heavier of the two ranks most (ties: the least padding added), until every rank lies within
+``tolerance`` of the ranks' mean or no move lowers it. Every candidate is priced by calling
+``cost`` on the micro-batches it would make, so a cost that is not a sum over rows is balanced by
+what it returns. Deterministic: ties go to the lowest indices.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gradaccum.errors import PlanError
+from gradaccum.values import require_int
+
+__all__ = ["CostFn", "TransformerCost", "balance_by_cost", "cost_imbalance", "transformer_cost"]
+
+CostFn = Callable[[Sequence[int]], float]
+"""A micro-batch's compute cost from its rows' valid tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransformerCost:
+    """``sum(L * (1 + L / (6 * d_model))) * layers`` over a micro-batch's rows (see the module)."""
+
+    d_model: int
+    """The model's hidden width."""
+    layers: int = 1
+    """Transformer blocks (the cost scales with them; the balance does not)."""
+
+    def __post_init__(self) -> None:
+        require_int("d_model", self.d_model, error=PlanError)
+        require_int("layers", self.layers, error=PlanError)
+
+    def __call__(self, lengths: Sequence[int]) -> float:
+        width = 6.0 * self.d_model
+        return self.layers * sum(n * (1.0 + n / width) for n in lengths)
+
+    def to_dict(self) -> dict[str, int | str]:
+        """What a run card records."""
+        return {"model": "transformer", "d_model": self.d_model, "layers": self.layers}
+
+
+def transformer_cost(d_model: int, layers: int = 1) -> TransformerCost:
+    """The built-in cost: a row of ``L`` valid tokens costs ``L * (1 + L / (6 * d_model))`` token
+    units per layer, times ``layers``; a micro-batch, the sum over its rows (see the module for the
+    derivation). Pass it as ``cost=`` to :func:`gradaccum.split_by_tokens`, ``plan_batch`` or
+    ``gradaccum.windows``."""
+    return TransformerCost(d_model, layers)
+
+
+def cost_imbalance(totals: Sequence[float]) -> float:
+    """The slowest rank's cost over the ranks' mean (1.0: balanced, or nothing to compute)."""
+    mean = sum(totals) / len(totals) if totals else 0.0
+    return max(totals) / mean if mean > 0 else 1.0
+
+
+def _price(cost: CostFn, valid: Sequence[int], rows: Sequence[int]) -> float:
+    value = float(cost([valid[i] for i in rows]))
+    if value != value or value in (float("inf"), float("-inf")) or value < 0:
+        raise PlanError(
+            f"cost returned {value!r} for a micro-batch of row lengths {[valid[i] for i in rows]}: a "
+            "compute cost must be a finite number >= 0"
+        )
+    return value
+
+
+@dataclass(slots=True)
+class _State:
+    ranks: list[list[list[int]]]
+    costs: list[list[float]]
+    lengths: Sequence[int]
+    valid: Sequence[int]
+    max_tokens: int
+    cost: CostFn
+    equal_count: bool
+    alone: list[float]
+    """Each row's cost in a micro-batch of its own: the key swap partners are sought by."""
+
+    def totals(self) -> list[float]:
+        return [sum(rank) for rank in self.costs]
+
+    def price(self, rows: Sequence[int]) -> float:
+        return _price(self.cost, self.valid, rows)
+
+
+def _top(rows: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, int]:
+    """(longest length, its row, the next longest length) of a micro-batch."""
+    first, second, row = 0, 0, -1
+    for i in rows:
+        if lengths[i] > first:
+            first, second, row = lengths[i], first, i
+        elif lengths[i] > second:
+            second = lengths[i]
+    return first, row, second
+
+
+Move = tuple[float, int, int, int, int, int, tuple[list[int], list[int]], tuple[float, float], str]
+"""(the heavier rank after it, padding added, x, y, a, b, the two micro-batches' rows after it,
+their costs, the kind): what :func:`_best_move` finds."""
+
+
+def _best_move(s: _State, heavy: int, light: int, gap: float) -> Move | None:
+    """The move between rank ``heavy`` and rank ``light`` that lowers the heavier of the two most.
+
+    Budgets are checked from each micro-batch's longest rows before ``cost`` is called; a swap
+    partner for row a is sought among the few rows of the light micro-batch whose cost alone lies
+    nearest ``alone[a] - gap / 2`` (the swap that would close the gap for an additive cost)."""
+    total_h, total_l = sum(s.costs[heavy]), sum(s.costs[light])
+    bar = total_h - 1e-12 * max(total_h, 1.0)  # a move must lower the heavy rank's cost
+    best: Move | None = None
+    budget, lengths, alone = s.max_tokens, s.lengths, s.alone
+
+    def offer(
+        after: tuple[float, float],
+        padding: int,
+        at: tuple[int, int, int, int],
+        kind: str,
+        rows: tuple[list[int], list[int]],
+        costs: tuple[float, float],
+    ) -> None:
+        nonlocal best
+        top = max(after)
+        if top >= bar:
+            return
+        key = (top, padding, *at)
+        if best is None or key < best[:6]:
+            best = (top, padding, *at, rows, costs, kind)
+
+    heavy_mbs, light_mbs = s.ranks[heavy], s.ranks[light]
+    for x, rows_x in enumerate(heavy_mbs):
+        c_x = s.costs[heavy][x]
+        if not s.equal_count and len(heavy_mbs) > 1:  # the whole micro-batch moves
+            offer((total_h - c_x, total_l + c_x), 0, (x, -1, -1, -1), "move", (rows_x, []), (0.0, c_x))
+        for y, rows_y in enumerate(light_mbs):  # the two micro-batches trade places
+            c_y = s.costs[light][y]
+            offer(
+                (total_h - c_x + c_y, total_l - c_y + c_x),
+                0,
+                (x, y, -1, -1),
+                "trade",
+                (rows_y, rows_x),
+                (c_y, c_x),
+            )
+    lights = []
+    for rows_y in light_mbs:
+        by_alone = sorted(rows_y, key=lambda i: (alone[i], i))
+        lights.append((rows_y, _top(rows_y, lengths), by_alone, [alone[i] for i in by_alone]))
+    for x, rows_x in enumerate(heavy_mbs):
+        c_x, n_x = s.costs[heavy][x], len(rows_x)
+        movable = n_x > 1  # a row moves only out of a micro-batch of two or more; swaps from any
+        top_x = _top(rows_x, lengths)
+        before_x = n_x * top_x[0]
+        for a in rows_x:
+            rest = [i for i in rows_x if i != a]
+            rest_top = top_x[2] if a == top_x[1] else top_x[0]
+            c_rest = s.price(rest) if movable else 0.0
+            if movable and not s.equal_count:  # a leaves for a micro-batch of its own
+                padding = (n_x - 1) * rest_top + lengths[a] - before_x
+                after = (total_h - c_x + c_rest, total_l + alone[a])
+                offer(after, padding, (x, -1, a, -1), "split", (rest, [a]), (c_rest, alone[a]))
+            for y, (rows_y, top_y, by_alone, keys) in enumerate(lights):
+                c_y, n_y = s.costs[light][y], len(rows_y)
+                before_y = n_y * top_y[0]
+                if movable and (n_y + 1) * max(top_y[0], lengths[a]) <= budget:  # a moves alone
+                    new_y = [*rows_y, a]
+                    cy = s.price(new_y)
+                    padding = (
+                        (n_x - 1) * rest_top + (n_y + 1) * max(top_y[0], lengths[a]) - before_x - before_y
+                    )
+                    after = (total_h - c_x + c_rest, total_l - c_y + cy)
+                    offer(after, padding, (x, y, a, -1), "row", (rest, new_y), (c_rest, cy))
+                near = bisect.bisect_left(keys, alone[a] - gap / 2)
+                for b in by_alone[max(0, near - 2) : near + 2]:  # a and b swap
+                    rest_y = top_y[2] if b == top_y[1] else top_y[0]
+                    size_x, size_y = n_x * max(rest_top, lengths[b]), n_y * max(rest_y, lengths[a])
+                    if size_x > budget or size_y > budget:
+                        continue
+                    new_x, new_y = [*rest, b], [*(i for i in rows_y if i != b), a]
+                    cx, cy = s.price(new_x), s.price(new_y)
+                    after = (total_h - c_x + cx, total_l - c_y + cy)
+                    offer(
+                        after,
+                        size_x + size_y - before_x - before_y,
+                        (x, y, a, b),
+                        "row",
+                        (new_x, new_y),
+                        (cx, cy),
+                    )
+    return best
+
+
+def _apply(s: _State, heavy: int, light: int, move: Move) -> None:
+    _, _, x, y, _, _, rows, costs, kind = move
+    if kind == "move":
+        s.ranks[light].append(s.ranks[heavy].pop(x))
+        s.costs[light].append(s.costs[heavy].pop(x))
+        return
+    if kind == "split":
+        s.ranks[heavy][x], s.costs[heavy][x] = list(rows[0]), costs[0]
+        s.ranks[light].append(list(rows[1]))
+        s.costs[light].append(costs[1])
+        return
+    s.ranks[heavy][x], s.ranks[light][y] = list(rows[0]), list(rows[1])
+    s.costs[heavy][x], s.costs[light][y] = costs
+
+
+def balance_by_cost(
+    ranks: list[list[list[int]]],
+    lengths: Sequence[int],
+    valid: Sequence[int],
+    max_tokens: int,
+    cost: CostFn,
+    *,
+    equal_count: bool,
+    tolerance: float,
+) -> None:
+    """Lower the heaviest rank's cost by moves within the budget, in place (see the module).
+
+    Whole micro-batches move only without ``equal_count`` and only from a rank of two or more (every
+    rank keeps one); rows move only out of a micro-batch of two or more (none is emptied), and a
+    move or swap is taken only where both micro-batches stay within ``max_tokens``."""
+    s = _State(
+        ranks=ranks,
+        costs=[[_price(cost, valid, mb) for mb in rank] for rank in ranks],
+        lengths=lengths,
+        valid=valid,
+        max_tokens=max_tokens,
+        cost=cost,
+        equal_count=equal_count,
+        alone=[0.0] * len(lengths),
+    )
+    s.alone = [s.price([i]) for i in range(len(lengths))]
+    for _ in range(4 * len(lengths) + 4 * len(ranks)):  # each move lowers a rank; this bounds the work
+        totals = s.totals()
+        if cost_imbalance(totals) <= 1 + tolerance:
+            break
+        heavy = max(range(len(ranks)), key=lambda r: (totals[r], -r))
+        lights = sorted((r for r in range(len(ranks)) if r != heavy), key=lambda r: (totals[r], r))
+        for light in lights:
+            move = _best_move(s, heavy, light, totals[heavy] - totals[light])
+            if move is not None:
+                _apply(s, heavy, light, move)
+                break
+        else:
+            break
+    for rank in ranks:
+        for mb in rank:
+            mb.sort(key=lambda i: (-lengths[i], i))
