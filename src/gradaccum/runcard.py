@@ -76,6 +76,10 @@ class RunCard:
     """Micro-batches by a token budget (:func:`gradaccum.split_by_tokens`): at most this many tokens
     each, the plan holding the global batch as rows per rank; ``None`` (and cards that predate it):
     the plan's fixed micro-batches."""
+    balance_cost: dict[str, Any] | None = None
+    """With ``max_tokens``: the ranks were balanced by compute cost,
+    ``{"model": "transformer", "d_model": D, "layers": N}`` (:func:`gradaccum.tokens.transformer_cost`);
+    ``train --runcard`` balances so again. ``None`` (and cards that predate it): by valid tokens."""
     compile: bool = False
     """The model ran compiled (``torch.compile``, in place, before DDP): ``train --runcard``
     compiles too. Cards written before issue 23 have no such field and read as eager."""
@@ -93,6 +97,8 @@ class RunCard:
             raise RunCardError(f"run card 'compile' must be true or false, got {self.compile!r}")
         if self.balance is not None:
             _check_balance(self.balance)
+        if self.balance_cost is not None:
+            _check_balance_cost(self.balance_cost, self.max_tokens)
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -140,6 +146,7 @@ class RunCard:
             "extra": dict(self.extra),
             "compile": self.compile,
             "max_tokens": self.max_tokens,
+            "balance_cost": None if self.balance_cost is None else dict(self.balance_cost),
             "balance": None if self.balance is None else dict(self.balance),
         }
 
@@ -220,6 +227,7 @@ class RunCard:
             extra=dict(extra),
             compile=data.get("compile", False),
             max_tokens=max_tokens,
+            balance_cost=data.get("balance_cost"),
             balance=data.get("balance"),
         )
 
@@ -248,6 +256,30 @@ def _plan(data: dict[str, Any], max_tokens: int | None) -> BatchPlan:
 
 
 _BALANCE_MODES = ("exact", "lagged", "micro-batch", "off")
+
+
+def _check_balance_cost(recorded: object, max_tokens: int | None) -> None:
+    """A recorded cost balance: ``{"model": "transformer", "d_model": int, "layers": int}``, on a
+    token-budget card only."""
+    ok = (
+        isinstance(recorded, dict)
+        and set(recorded) == {"model", "d_model", "layers"}
+        and recorded["model"] == "transformer"
+        and all(
+            isinstance(recorded[k], int) and not isinstance(recorded[k], bool) and recorded[k] >= 1
+            for k in ("d_model", "layers")
+        )
+    )
+    if not ok:
+        raise RunCardError(
+            'run card \'balance_cost\' must be null or {"model": "transformer", "d_model": D, '
+            f'"layers": N}} with whole numbers >= 1, got {recorded!r} (edited by hand?)'
+        )
+    if max_tokens is None:
+        raise RunCardError(
+            "run card records balance_cost but no max_tokens: the cost balances a token budget's "
+            "micro-batches (edited by hand?)"
+        )
 
 
 def _check_balance(balance: object) -> None:

@@ -181,3 +181,36 @@ def test_cost_plans_keep_the_rules_on_small_windows(seed: int, equal_count: bool
     assert all(plan.computed_tokens(mb) <= budget for rank in plan.ranks for mb in rank)
     if equal_count:
         assert len({len(rank) for rank in plan.ranks}) == 1
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_token_budget_windows_take_the_cost(layout: str) -> None:
+    """``gradaccum.windows(..., max_tokens=, cost=)``: every document once over the ranks, and the
+    padded windows' ranks balanced by the cost (the packed ones' rows are whole budgets)."""
+    lengths = long_tailed()
+    docs = [list(range(1, n + 1)) for n in lengths]
+    cost = transformer_cost(D_MODEL)
+    ranks = [
+        list(
+            gradaccum.windows(
+                docs,
+                max_tokens=BUDGET,
+                global_batch=64,
+                rank=r,
+                world=WORLD,
+                layout=layout,
+                cost=cost,  # type: ignore[arg-type]
+            )
+        )
+        for r in range(WORLD)
+    ]
+    assert all(len(windows) == 1 for windows in ranks)
+    tokens = sum(int((mb["labels"] != -100).sum()) for windows in ranks for mb in windows[0])
+    assert tokens == sum(n - 1 for n in lengths)  # shift: each document's first token has no label
+    if layout == "padded":
+        assert _ratio(_rank_costs([windows[0] for windows in ranks], cost)) <= 1.05
+
+
+def test_windows_refuse_a_cost_without_a_token_budget() -> None:
+    with pytest.raises(PlanError, match="cost balances the ranks of token-budget windows"):
+        gradaccum.windows([[1, 2]], 1, cost=transformer_cost(D_MODEL))  # type: ignore[call-overload]

@@ -39,7 +39,14 @@ from dataclasses import dataclass
 from gradaccum.errors import PlanError
 from gradaccum.values import require_int
 
-__all__ = ["CostFn", "TransformerCost", "balance_by_cost", "cost_imbalance", "transformer_cost"]
+__all__ = [
+    "CostFn",
+    "TransformerCost",
+    "balance_by_cost",
+    "cost_imbalance",
+    "model_dimensions",
+    "transformer_cost",
+]
 
 CostFn = Callable[[Sequence[int]], float]
 """A micro-batch's compute cost from its rows' valid tokens."""
@@ -73,6 +80,39 @@ def transformer_cost(d_model: int, layers: int = 1) -> TransformerCost:
     derivation). Pass it as ``cost=`` to :func:`gradaccum.split_by_tokens`, ``plan_batch`` or
     ``gradaccum.windows``."""
     return TransformerCost(d_model, layers)
+
+
+WIDTH_NAMES = ("d_model", "hidden_size", "n_embd", "dim", "embed_dim")
+"""Where a model's config (transformers' ``config``, a module's ``cfg``) or the module itself names
+its hidden width, first match wins."""
+DEPTH_NAMES = ("n_layer", "num_hidden_layers", "num_layers", "n_layers")
+"""Where it names its number of transformer blocks."""
+
+
+def _whole(holder: object, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(holder, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+def model_dimensions(model: object) -> tuple[int, int] | None:
+    """(d_model, layers) a model declares, or None: read from its ``config`` (transformers), its
+    ``cfg``, or the module itself (:data:`WIDTH_NAMES`, :data:`DEPTH_NAMES`), through the wrappers
+    that hold it (DDP's ``module``, torch.compile's ``_orig_mod``)."""
+    for _ in range(4):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            break
+        model = inner
+    for holder in (getattr(model, "config", None), getattr(model, "cfg", None), model):
+        if holder is None:
+            continue
+        width, depth = _whole(holder, WIDTH_NAMES), _whole(holder, DEPTH_NAMES)
+        if width is not None and depth is not None:
+            return width, depth
+    return None
 
 
 def cost_imbalance(totals: Sequence[float]) -> float:
