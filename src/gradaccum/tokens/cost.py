@@ -189,8 +189,10 @@ def _best_move(s: _State, heavy: int, light: int, gap: float) -> Move | None:
         top = max(after)
         if top >= bar:
             return
-        key = (top, padding, *at)
-        if best is None or key < best[:6]:
+        # a row split off into a micro-batch of its own adds a micro-batch (and its fixed cost, which
+        # ``cost`` may not know of): the last resort, taken only where no other move lowers the rank
+        key = (kind == "split", padding, top, *at)
+        if best is None or key < (best[8] == "split", best[1], best[0], *best[2:6]):
             best = (top, padding, *at, rows, costs, kind)
 
     heavy_mbs, light_mbs = s.ranks[heavy], s.ranks[light]
