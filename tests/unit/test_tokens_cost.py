@@ -214,3 +214,15 @@ def test_token_budget_windows_take_the_cost(layout: str) -> None:
 def test_windows_refuse_a_cost_without_a_token_budget() -> None:
     with pytest.raises(PlanError, match="cost balances the ranks of token-budget windows"):
         gradaccum.windows([[1, 2]], 1, cost=transformer_cost(D_MODEL))  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("seed", [1, 3, 7])
+def test_the_built_in_is_priced_by_differences_to_the_same_plans_as_calls(seed: int) -> None:
+    """``TransformerCost`` is a sum over rows, so the balancer prices its moves by differences of
+    the rows' costs; the same callable behind a lambda is priced by calls: the same plans."""
+    lengths = long_tailed(seed)
+    cost = transformer_cost(D_MODEL)
+    for equal_count in (False, True):
+        fast = plan_tokens(lengths, BUDGET, world=WORLD, equal_count=equal_count, cost=cost)
+        called = plan_tokens(lengths, BUDGET, world=WORLD, equal_count=equal_count, cost=lambda n: cost(n))
+        assert fast.ranks == called.ranks

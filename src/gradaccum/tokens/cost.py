@@ -142,6 +142,9 @@ class _State:
     equal_count: bool
     alone: list[float]
     """Each row's cost in a micro-batch of its own: the key swap partners are sought by."""
+    additive: bool = False
+    """``cost`` is a sum over rows by construction (:class:`TransformerCost`): a move's cost is
+    the difference of its rows' costs alone, without calling it."""
 
     def totals(self) -> list[float]:
         return [sum(rank) for rank in self.costs]
@@ -161,55 +164,46 @@ def _top(rows: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, int]:
     return first, row, second
 
 
-Move = tuple[float, int, int, int, int, int, tuple[list[int], list[int]], tuple[float, float], str]
-"""(the heavier rank after it, padding added, x, y, a, b, the two micro-batches' rows after it,
-their costs, the kind): what :func:`_best_move` finds."""
+Move = tuple[float, int, int, int, int, int, tuple[float, float], str]
+"""(the heavier rank after it, padding added, x, y, a, b, the two micro-batches' costs after it,
+the kind): what :func:`_best_move` finds, and :func:`_apply` makes."""
 
 
 def _best_move(s: _State, heavy: int, light: int, gap: float) -> Move | None:
-    """The move between rank ``heavy`` and rank ``light`` that lowers the heavier of the two most.
+    """The move between rank ``heavy`` and rank ``light`` that lowers the heavier of the two, adding
+    the least padding (then lowering it most); a split only where nothing else does.
 
     Budgets are checked from each micro-batch's longest rows before ``cost`` is called; a swap
     partner for row a is sought among the few rows of the light micro-batch whose cost alone lies
-    nearest ``alone[a] - gap / 2`` (the swap that would close the gap for an additive cost)."""
+    nearest ``alone[a] - gap / 2`` (the swap that would close the gap for an additive cost). A cost
+    that is a sum over rows by construction (:class:`TransformerCost`) is priced by differences of
+    its rows' costs instead of calls."""
     total_h, total_l = sum(s.costs[heavy]), sum(s.costs[light])
     bar = total_h - 1e-12 * max(total_h, 1.0)  # a move must lower the heavy rank's cost
     best: Move | None = None
-    budget, lengths, alone = s.max_tokens, s.lengths, s.alone
+    best_key: tuple[bool, int, float, int, int, int, int] | None = None
+    budget, lengths, alone, additive = s.max_tokens, s.lengths, s.alone, s.additive
 
-    def offer(
-        after: tuple[float, float],
-        padding: int,
-        at: tuple[int, int, int, int],
-        kind: str,
-        rows: tuple[list[int], list[int]],
-        costs: tuple[float, float],
-    ) -> None:
-        nonlocal best
+    def offer(after: tuple[float, float], padding: int, at: tuple[int, int, int, int], kind: str,
+              costs: tuple[float, float]) -> None:  # fmt: skip
+        nonlocal best, best_key
         top = max(after)
         if top >= bar:
             return
         # a row split off into a micro-batch of its own adds a micro-batch (and its fixed cost, which
         # ``cost`` may not know of): the last resort, taken only where no other move lowers the rank
         key = (kind == "split", padding, top, *at)
-        if best is None or key < (best[8] == "split", best[1], best[0], *best[2:6]):
-            best = (top, padding, *at, rows, costs, kind)
+        if best_key is None or key < best_key:
+            best, best_key = (top, padding, *at, costs, kind), key
 
     heavy_mbs, light_mbs = s.ranks[heavy], s.ranks[light]
-    for x, rows_x in enumerate(heavy_mbs):
+    for x in range(len(heavy_mbs)):
         c_x = s.costs[heavy][x]
         if not s.equal_count and len(heavy_mbs) > 1:  # the whole micro-batch moves
-            offer((total_h - c_x, total_l + c_x), 0, (x, -1, -1, -1), "move", (rows_x, []), (0.0, c_x))
-        for y, rows_y in enumerate(light_mbs):  # the two micro-batches trade places
+            offer((total_h - c_x, total_l + c_x), 0, (x, -1, -1, -1), "move", (0.0, c_x))
+        for y in range(len(light_mbs)):  # the two micro-batches trade places
             c_y = s.costs[light][y]
-            offer(
-                (total_h - c_x + c_y, total_l - c_y + c_x),
-                0,
-                (x, y, -1, -1),
-                "trade",
-                (rows_y, rows_x),
-                (c_y, c_x),
-            )
+            offer((total_h - c_x + c_y, total_l - c_y + c_x), 0, (x, y, -1, -1), "trade", (c_y, c_x))
     lights = []
     for rows_y in light_mbs:
         by_alone = sorted(rows_y, key=lambda i: (alone[i], i))
@@ -220,57 +214,65 @@ def _best_move(s: _State, heavy: int, light: int, gap: float) -> Move | None:
         top_x = _top(rows_x, lengths)
         before_x = n_x * top_x[0]
         for a in rows_x:
-            rest = [i for i in rows_x if i != a]
+            rest = None if additive else [i for i in rows_x if i != a]
             rest_top = top_x[2] if a == top_x[1] else top_x[0]
-            c_rest = s.price(rest) if movable else 0.0
+            c_rest = 0.0
+            if movable:
+                c_rest = c_x - alone[a] if rest is None else s.price(rest)
             if movable and not s.equal_count:  # a leaves for a micro-batch of its own
                 padding = (n_x - 1) * rest_top + lengths[a] - before_x
                 after = (total_h - c_x + c_rest, total_l + alone[a])
-                offer(after, padding, (x, -1, a, -1), "split", (rest, [a]), (c_rest, alone[a]))
+                offer(after, padding, (x, -1, a, -1), "split", (c_rest, alone[a]))
             for y, (rows_y, top_y, by_alone, keys) in enumerate(lights):
                 c_y, n_y = s.costs[light][y], len(rows_y)
                 before_y = n_y * top_y[0]
-                if movable and (n_y + 1) * max(top_y[0], lengths[a]) <= budget:  # a moves alone
-                    new_y = [*rows_y, a]
-                    cy = s.price(new_y)
-                    padding = (
-                        (n_x - 1) * rest_top + (n_y + 1) * max(top_y[0], lengths[a]) - before_x - before_y
+                grown = (n_y + 1) * max(top_y[0], lengths[a])
+                if movable and grown <= budget:  # a moves alone
+                    cy = c_y + alone[a] if rest is None else s.price([*rows_y, a])
+                    padding = (n_x - 1) * rest_top + grown - before_x - before_y
+                    offer(
+                        (total_h - c_x + c_rest, total_l - c_y + cy),
+                        padding,
+                        (x, y, a, -1),
+                        "row",
+                        (c_rest, cy),
                     )
-                    after = (total_h - c_x + c_rest, total_l - c_y + cy)
-                    offer(after, padding, (x, y, a, -1), "row", (rest, new_y), (c_rest, cy))
                 near = bisect.bisect_left(keys, alone[a] - gap / 2)
                 for b in by_alone[max(0, near - 2) : near + 2]:  # a and b swap
                     rest_y = top_y[2] if b == top_y[1] else top_y[0]
                     size_x, size_y = n_x * max(rest_top, lengths[b]), n_y * max(rest_y, lengths[a])
                     if size_x > budget or size_y > budget:
                         continue
-                    new_x, new_y = [*rest, b], [*(i for i in rows_y if i != b), a]
-                    cx, cy = s.price(new_x), s.price(new_y)
-                    after = (total_h - c_x + cx, total_l - c_y + cy)
-                    offer(
-                        after,
-                        size_x + size_y - before_x - before_y,
-                        (x, y, a, b),
-                        "row",
-                        (new_x, new_y),
-                        (cx, cy),
-                    )
+                    if rest is None:
+                        cx, cy = c_x - alone[a] + alone[b], c_y - alone[b] + alone[a]
+                    else:
+                        cx, cy = s.price([*rest, b]), s.price([*(i for i in rows_y if i != b), a])
+                    padding = size_x + size_y - before_x - before_y
+                    offer((total_h - c_x + cx, total_l - c_y + cy), padding, (x, y, a, b), "row", (cx, cy))
     return best
 
 
 def _apply(s: _State, heavy: int, light: int, move: Move) -> None:
-    _, _, x, y, _, _, rows, costs, kind = move
+    _, _, x, y, a, b, costs, kind = move
     if kind == "move":
         s.ranks[light].append(s.ranks[heavy].pop(x))
         s.costs[light].append(s.costs[heavy].pop(x))
         return
+    if kind == "trade":
+        s.ranks[heavy][x], s.ranks[light][y] = s.ranks[light][y], s.ranks[heavy][x]
+        s.costs[heavy][x], s.costs[light][y] = costs
+        return
+    s.ranks[heavy][x].remove(a)
+    s.costs[heavy][x] = costs[0]
     if kind == "split":
-        s.ranks[heavy][x], s.costs[heavy][x] = list(rows[0]), costs[0]
-        s.ranks[light].append(list(rows[1]))
+        s.ranks[light].append([a])
         s.costs[light].append(costs[1])
         return
-    s.ranks[heavy][x], s.ranks[light][y] = list(rows[0]), list(rows[1])
-    s.costs[heavy][x], s.costs[light][y] = costs
+    s.ranks[light][y].append(a)
+    if b >= 0:
+        s.ranks[light][y].remove(b)
+        s.ranks[heavy][x].append(b)
+    s.costs[light][y] = costs[1]
 
 
 def balance_by_cost(
@@ -297,6 +299,7 @@ def balance_by_cost(
         cost=cost,
         equal_count=equal_count,
         alone=[0.0] * len(lengths),
+        additive=isinstance(cost, TransformerCost),
     )
     s.alone = [s.price([i]) for i in range(len(lengths))]
     for _ in range(4 * len(lengths) + 4 * len(ranks)):  # each move lowers a rank; this bounds the work
