@@ -9,7 +9,7 @@ the same samples, so they divide the world size but never multiply the batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
@@ -283,6 +283,7 @@ def windows(
     world: int = 1,
     equal_count: bool = False,
     layout: Literal["padded", "packed"] = "padded",
+    cost: Callable[[Sequence[int]], float] | None = None,
 ) -> Iterator[list[Any]]: ...
 def windows(
     micro_batches: Iterable[T],
@@ -296,6 +297,7 @@ def windows(
     world: int = 1,
     equal_count: bool = False,
     layout: Literal["padded", "packed"] = "padded",
+    cost: Callable[[Sequence[int]], float] | None = None,
 ) -> Iterator[list[Any]]:
     """Group micro-batches into windows of ``accum_steps``; the final short window is yielded too.
 
@@ -313,6 +315,8 @@ def windows(
     window is this rank's micro-batches of at most B computed tokens, balanced across ``world``
     ranks (:func:`gradaccum.split_by_tokens`); ``layout="packed"`` packs the documents into rows
     with ``position_ids`` instead of padding one per row (:mod:`gradaccum.tokens.loader`).
+    ``cost`` balances the ranks' compute cost instead of their valid tokens
+    (``gradaccum.tokens.transformer_cost(d_model, layers)``; see :func:`gradaccum.split_by_tokens`).
     """
     if max_tokens is not None:
         if accum_steps is not None or pad_to_multiple is not None or pad_values is not None:
@@ -332,11 +336,16 @@ def windows(
             world=world,
             equal_count=equal_count,
             layout=layout,
+            cost=cost,
         )
     if global_batch is not None or (rank, world, equal_count, layout) != (0, 1, False, "padded"):
         raise PlanError(
             "global_batch, rank, world, equal_count and layout belong to token-budget windows: give "
             "max_tokens with them"
+        )
+    if cost is not None:
+        raise PlanError(
+            "cost balances the ranks of token-budget windows: give max_tokens (and global_batch) with it"
         )
     if accum_steps is None:
         raise PlanError("windows needs accum_steps (micro-batches per window) or max_tokens")

@@ -77,6 +77,10 @@ class RunCard:
     """Micro-batches by a token budget (:func:`gradaccum.split_by_tokens`): at most this many tokens
     each, the plan holding the global batch as rows per rank; ``None`` (and cards that predate it):
     the plan's fixed micro-batches."""
+    balance_cost: dict[str, Any] | None = None
+    """With ``max_tokens``: the ranks were balanced by compute cost,
+    ``{"model": "transformer", "d_model": D, "layers": N}`` (:func:`gradaccum.tokens.transformer_cost`);
+    ``train --runcard`` balances so again. ``None`` (and cards that predate it): by valid tokens."""
     compile: bool = False
     """The model ran compiled (``torch.compile``, in place, before DDP): ``train --runcard``
     compiles too. Cards written before issue 23 have no such field and read as eager."""
@@ -104,6 +108,8 @@ class RunCard:
                 f"run card 'param_dtype' must be null or one of {', '.join(_STORED_DTYPES)}, got "
                 f"{self.param_dtype!r} (edited by hand?)"
             )
+        if self.balance_cost is not None:
+            _check_balance_cost(self.balance_cost, self.max_tokens)
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -151,6 +157,7 @@ class RunCard:
             "extra": dict(self.extra),
             "compile": self.compile,
             "max_tokens": self.max_tokens,
+            "balance_cost": None if self.balance_cost is None else dict(self.balance_cost),
             "balance": None if self.balance is None else dict(self.balance),
             "param_dtype": self.param_dtype,
         }
@@ -232,6 +239,7 @@ class RunCard:
             extra=dict(extra),
             compile=data.get("compile", False),
             max_tokens=max_tokens,
+            balance_cost=data.get("balance_cost"),
             balance=data.get("balance"),
             param_dtype=data.get("param_dtype"),
         )
@@ -261,6 +269,30 @@ def _plan(data: dict[str, Any], max_tokens: int | None) -> BatchPlan:
 
 
 _BALANCE_MODES = ("exact", "lagged", "micro-batch", "off")
+
+
+def _check_balance_cost(recorded: object, max_tokens: int | None) -> None:
+    """A recorded cost balance: ``{"model": "transformer", "d_model": int, "layers": int}``, on a
+    token-budget card only."""
+    ok = (
+        isinstance(recorded, dict)
+        and set(recorded) == {"model", "d_model", "layers"}
+        and recorded["model"] == "transformer"
+        and all(
+            isinstance(recorded[k], int) and not isinstance(recorded[k], bool) and recorded[k] >= 1
+            for k in ("d_model", "layers")
+        )
+    )
+    if not ok:
+        raise RunCardError(
+            'run card \'balance_cost\' must be null or {"model": "transformer", "d_model": D, '
+            f'"layers": N}} with whole numbers >= 1, got {recorded!r} (edited by hand?)'
+        )
+    if max_tokens is None:
+        raise RunCardError(
+            "run card records balance_cost but no max_tokens: the cost balances a token budget's "
+            "micro-batches (edited by hand?)"
+        )
 
 
 def _check_balance(balance: object) -> None:

@@ -30,6 +30,7 @@ CONFIG_FIELDS = {
     "count_ms", "other_ms", "phase_means_ms",
     "compile", "compile_s", "recompiles",  # issue 23: eager or compiled rows
     "scaling",  # issue 22: the row's AccumConfig.scaling (accept's arms may differ in it)
+    "straggler",  # the slowest rank's window over the mean (DDP)
 }  # fmt: skip
 
 

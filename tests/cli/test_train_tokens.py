@@ -120,3 +120,54 @@ def test_a_token_budget_run_records_what_it_ran_and_says_its_micro_batches_and_p
         f"padding {padding:,} of the {computed:,} token positions computed ({padding / computed:.1%})" in out
     )
     assert "micro-batches per window" in out
+
+
+def test_balance_cost_reads_the_model_records_it_and_the_card_replays_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = tmp_path / "first"
+    argv = ["train", "--steps", "2", "--global-batch", "16", "--max-tokens", "96", "--balance-cost"]
+    assert main([*argv, "--run-dir", str(first)]) == 0
+    out = capsys.readouterr().out
+    assert "balanced by compute cost (attention included)" in out, out
+    card = json.loads((first / "runcard.json").read_text())
+    # the bundled tiny GPT: GPTConfig(d_model=32, n_layer=2)
+    assert card["balance_cost"] == {"model": "transformer", "d_model": 32, "layers": 2}
+    assert card["max_tokens"] == 96
+
+    again = tmp_path / "again"
+    assert (
+        main(["train", "--runcard", str(first / "runcard.json"), "--steps", "2", "--run-dir", str(again)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "from run card: ranks balanced by compute cost (transformer, d_model 32, layers 2" in out, out
+    assert read_runcard(again / "runcard.json").balance_cost == card["balance_cost"]
+    losses = [
+        [
+            json.loads(line)["loss"]
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+            if '"kind": "step"' in line
+        ]
+        for run in (first, again)
+    ]
+    assert losses[0] == losses[1]
+
+
+def test_balance_cost_without_a_token_budget_exits_2_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--steps", "2", "--balance-cost", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--balance-cost" in err and "give --max-tokens N with it" in err, err
+    assert not (tmp_path / "run" / "runcard.json").exists()
+
+
+def test_balance_cost_on_a_model_without_dimensions_exits_2_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--steps", "2", "--workload", "gradaccum.examples:bn_cnn", "--max-tokens", "96"]
+    assert main([*argv, "--balance-cost", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--balance-cost prices each row by the model's width and depth" in err, err
+    assert "declares neither" in err

@@ -129,6 +129,9 @@ class _Update:
     """What the timed phases leave of the step: step - count - micro-batches - optimizer."""
     scatters: tuple[int, int] | None = None
     """FSDP2: (reduce-scatter calls, bytes) of this update."""
+    own_ms: float | None = None
+    """DDP on several ranks: from the update's start to this rank's last gradient bucket handed to
+    the all-reduce, i.e. its own work before it waits for the others (its window time)."""
 
 
 def _median(values: list[float]) -> float:
@@ -279,6 +282,9 @@ class _Arm:
             start = clock.now()
             result = self.acc.step(micro_batches, self.loss_fn, self.workload.count_fn)
             step_ms = (clock.now() - start) * 1e3
+            own_ms = None
+            if counter is not None and self.world > 1 and counter.calls:
+                own_ms = (counter.last_call_s - start) * 1e3
             self.recompiles += result.recompiles
             counting, micro, optimizing = clock.phases(len(micro_batches))  # a token budget varies k
             out.append(
@@ -296,6 +302,7 @@ class _Arm:
                     reserved=torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0,
                     gathers=None if fsdp is None else (fsdp.allgather_calls, fsdp.allgather_bytes),
                     scatters=None if fsdp is None else (fsdp.reduce_scatter_calls, fsdp.reduce_scatter_bytes),
+                    own_ms=own_ms,
                 )
             )
         self.next_update += updates
@@ -341,6 +348,7 @@ class _Arm:
             "held": self.held_gradient_bytes,
             "compile_ms": self.first_update_ms - _median([up.step_ms for up in updates]),
             "recompiles": self.recompiles,
+            "own_ms": [up.own_ms for up in updates],
         }
         everyone = dist.all_gather_objects(mine)
         # the slowest rank bounds every update; memory is the largest rank's
@@ -399,6 +407,7 @@ class _Arm:
             reduce_scatter_bytes_per_sync=self.scatter_bytes_per_sync,
             compile_s=float(slowest("compile_ms") or 0.0) / 1e3 if self.spec.compile else None,
             recompiles=int(max(r["recompiles"] for r in everyone)),
+            straggler=_straggler([r["own_ms"] for r in everyone]),
         )
 
 
@@ -445,6 +454,20 @@ def measure_paired(workload: Workload, spec: PairedSpec, *, run_index: int = 0) 
         block_units=tuple(block_units),
         run_index=run_index,
     )
+
+
+def straggler_ratio(window_ms: list[float]) -> float:
+    """The slowest rank's window time over the ranks' mean (1.0: every rank done together)."""
+    mean = sum(window_ms) / len(window_ms)
+    return max(window_ms) / mean if mean > 0 else 1.0
+
+
+def _straggler(own_ms: list[list[float | None]]) -> tuple[float, ...] | None:
+    """Per update, :func:`straggler_ratio` of the ranks' own window times; ``None`` unless every
+    rank timed every update (DDP on two or more ranks)."""
+    if len(own_ms) < 2 or any(ms is None for rank in own_ms for ms in rank):
+        return None
+    return tuple(straggler_ratio([rank[i] for rank in own_ms]) for i in range(len(own_ms[0])))  # type: ignore[misc]
 
 
 def _slowest_rank_seconds(updates: list[_Update]) -> float:

@@ -26,6 +26,7 @@ from gradaccum.bench.tables import (
     memory_lines,
     memory_rows,
     phase_lines,
+    straggler_lines,
     time_rows,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "phase_lines",
     "quality_lines",
     "quality_table",
+    "straggler_lines",
     "sweep_markdown",
     "time_rows",
     "verdict_lines",

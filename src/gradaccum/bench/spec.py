@@ -332,10 +332,19 @@ class Measurement:
     recompiles: int = 0
     """Graphs compiled during the measured updates (``StepResult.recompiles``, largest rank): 0
     when the warm-up compiled everything the measured shapes need."""
+    straggler: tuple[float, ...] | None = None
+    """DDP on two or more ranks, per measured update: the slowest rank's window time over the ranks'
+    mean, each rank's window timed from the update's start to its last gradient bucket handed to
+    the all-reduce (its own work, before it waits for the others); ``None`` otherwise."""
 
     @property
     def step_ms_median(self) -> float:
         return float(statistics.median(self.step_ms))
+
+    @property
+    def straggler_median(self) -> float | None:
+        """The median over updates of :attr:`straggler`."""
+        return None if not self.straggler else float(statistics.median(self.straggler))
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -118,6 +118,9 @@ class ConfigSummary:
     """Compiled rows: median over runs of what compiling cost (see ``Measurement.compile_s``)."""
     recompiles: int = 0
     """Compiled rows: graphs compiled during the measured updates, summed over runs."""
+    straggler: Spread | None = None
+    """DDP on two or more ranks: each run's median over its updates of the slowest rank's window
+    time over the ranks' mean (``Measurement.straggler``), across runs; ``None`` otherwise."""
 
     @property
     def comm_bytes_per_update(self) -> int | None:
@@ -207,6 +210,7 @@ class ConfigSummary:
             "compile_s": self.compile_s,
             "recompiles": self.recompiles,
             "scaling": self.spec.scaling,
+            "straggler": spread(self.straggler),
         }
 
 
@@ -265,7 +269,14 @@ def summarize(spec: MeasureSpec, records: Sequence[RunRecord]) -> ConfigSummary:
         phase_means_ms=_phase_means(done),
         compile_s=_median_of([m.compile_s for m in done]),
         recompiles=sum(m.recompiles for m in done),
+        straggler=_straggler_spread(done),
     )
+
+
+def _straggler_spread(done: Sequence[Measurement]) -> Spread | None:
+    medians = [m.straggler_median for m in done]
+    present = [m for m in medians if m is not None]
+    return Spread.of(present) if present else None
 
 
 def _phase_means(done: Sequence[Measurement]) -> tuple[float, ...] | None:

@@ -15,6 +15,7 @@ from gradaccum.bench.tables import (
     memory_lines,
     memory_rows,
     phase_lines,
+    straggler_lines,
     time_rows,
 )
 
@@ -109,6 +110,7 @@ def sweep_markdown(result: SweepResult) -> str:
         markdown_table(time_rows(result.configs)),
         "",
         *phase_lines(result.configs),
+        *straggler_lines(result.configs),
         "",
         markdown_table(memory_rows(result.configs, predictions)),
         "",

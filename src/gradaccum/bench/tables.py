@@ -18,6 +18,7 @@ __all__ = [
     "memory_lines",
     "memory_rows",
     "phase_lines",
+    "straggler_lines",
     "time_rows",
 ]
 
@@ -103,6 +104,23 @@ def phase_lines(configs: Sequence[ConfigSummary]) -> list[str]:
             f"- {c.spec.row_label}: count {count_ms:.2f} + micro-batches {micro:.2f}{each} "
             f"+ optimizer {optim:.2f} + other {other:.2f} = step {step:.2f} ms"
         )
+    return lines
+
+
+def straggler_lines(configs: Sequence[ConfigSummary]) -> list[str]:
+    """Under DDP: how long the slowest rank's window took against the ranks' mean, measured."""
+    timed = [c for c in configs if c.straggler is not None]
+    if not timed:
+        return []
+    lines = [
+        "Stragglers (DDP): the slowest rank's window time over the ranks' mean, each rank timed from "
+        "the update's start to its last gradient bucket handed to the all-reduce (its own work, "
+        "before it waits for the others); median of each run's windows, min..max of runs."
+    ]
+    for c in timed:
+        s = c.straggler
+        assert s is not None
+        lines.append(f"- {c.spec.row_label}: {s.median:.3f}x ({s.low:.3f}..{s.high:.3f})")
     return lines
 
 

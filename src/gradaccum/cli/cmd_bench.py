@@ -231,6 +231,7 @@ def _render(result: SweepResult, device: str, folder: Path) -> None:
         memory_predictions,
         memory_rows,
         phase_lines,
+        straggler_lines,
         time_rows,
     )
 
@@ -244,7 +245,7 @@ def _render(result: SweepResult, device: str, folder: Path) -> None:
         f"device {device}; torch threads per worker: {spec.settings.threads or 'default'}"
     )
     console.print(rich_table("throughput and phase times (medians of runs)", time_rows(result.configs)))
-    for line in phase_lines(result.configs):
+    for line in [*phase_lines(result.configs), *straggler_lines(result.configs)]:
         console.print(escape(line))
     console.print(
         rich_table("peak memory and gradient all-reduces", memory_rows(result.configs, predictions))

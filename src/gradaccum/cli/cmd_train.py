@@ -150,6 +150,13 @@ def _add_what(what: argparse._ArgumentGroup) -> None:
         ),
     )
     what.add_argument(
+        "--balance-cost",
+        action="store_true",
+        help="with --max-tokens: balance the ranks by compute cost, attention's length-squared term "
+        "included (d_model and layers read from the workload's model), not by tokens; the run card "
+        "records it (default: by tokens)",
+    )
+    what.add_argument(
         "--precision",
         choices=PRECISIONS,
         help="compute precision; bfloat16 and float16 run under autocast, float16 adds a GradScaler "

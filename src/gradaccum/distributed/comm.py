@@ -8,6 +8,7 @@ annotation and needs the real ``dist.GradBucket`` class, not a string.
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,15 +36,20 @@ class CommCounter:
 
     calls: int = 0
     bytes: int = 0
+    last_call_s: float = 0.0
+    """``time.perf_counter()`` when the hook last handed a bucket over: the end of this rank's own
+    backward work (the wait for the other ranks comes after it)."""
 
     def reset(self) -> None:
         self.calls = 0
         self.bytes = 0
+        self.last_call_s = 0.0
 
 
 def _counting_allreduce(state: CommCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     # Same arithmetic as DDP's default: divide by the world size, then sum across ranks.
     state.calls += 1
+    state.last_call_s = time.perf_counter()
     buf = bucket.buffer()
     state.bytes += buf.numel() * buf.element_size()
     buf.div_(dist.get_world_size())

@@ -21,10 +21,12 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from gradaccum.errors import PlanError
+from gradaccum.tokens.cost import CostFn, balance_by_cost
+from gradaccum.tokens.cost import cost_imbalance as ratio_to_mean
 from gradaccum.values import require_int
 
 __all__ = ["TokenPlan", "assign", "cut", "plan_tokens"]
@@ -42,6 +44,9 @@ class TokenPlan:
     """Each row's valid tokens (``attention_mask`` ones)."""
     max_tokens: int
     """The budget: rows x longest of every micro-batch is at most this."""
+    cost: CostFn | None = field(default=None, compare=False)
+    """What the ranks were balanced by: a micro-batch's compute cost from its rows' valid tokens
+    (:mod:`gradaccum.tokens.cost`); ``None``: the ranks' valid tokens."""
 
     def computed_tokens(self, rows: Sequence[int]) -> int:
         """Token positions a micro-batch of these rows computes once trimmed: rows x longest."""
@@ -72,6 +77,19 @@ class TokenPlan:
     def fewest_micro_batches(self) -> int:
         """The fewest micro-batches the budget allows: every valid token must fit somewhere."""
         return max(1, -(-sum(self.valid) // self.max_tokens))
+
+    def rank_cost(self, cost: CostFn | None = None) -> tuple[float, ...]:
+        """Each rank's compute cost: the sum over its micro-batches of ``cost`` (default the plan's
+        own) called on each micro-batch's rows' valid tokens; a plan balanced by tokens and no
+        ``cost`` given: each rank's valid tokens."""
+        cost = self.cost if cost is None else cost
+        if cost is None:
+            return tuple(float(t) for t in self.rank_valid_tokens)
+        return tuple(sum(float(cost([self.valid[i] for i in mb])) for mb in rank) for rank in self.ranks)
+
+    def cost_imbalance(self, cost: CostFn | None = None) -> float:
+        """The slowest rank's cost over the ranks' mean cost (:meth:`rank_cost`): 1.0 is balanced."""
+        return ratio_to_mean(self.rank_cost(cost))
 
     @property
     def imbalance(self) -> float:
@@ -106,9 +124,20 @@ def cut(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return out
 
 
-def _halve(micro_batches: list[list[int]], world: int) -> None:
-    """Split the micro-batch of most rows in two (each half stays within the budget, trimmed)."""
-    j = max(range(len(micro_batches)), key=lambda m: (len(micro_batches[m]), -m))
+def _halve(
+    micro_batches: list[list[int]], world: int, weigh: Callable[[list[int]], float] | None = None
+) -> None:
+    """Split the micro-batch of most rows in two (each half stays within the budget, trimmed); with
+    ``weigh`` (a micro-batch's cost), the costliest one of two rows or more: what keeps a cost
+    balance from evening out is a micro-batch too costly to move, not one too coarse."""
+    if weigh is None:
+        j = max(range(len(micro_batches)), key=lambda m: (len(micro_batches[m]), -m))
+    else:
+        j = max(
+            (m for m in range(len(micro_batches)) if len(micro_batches[m]) > 1),
+            key=lambda m: (weigh(micro_batches[m]), -m),
+            default=0,
+        )
     rows = micro_batches[j]
     if len(rows) < 2:  # plan_tokens halves only while a micro-batch holds two rows
         raise PlanError(f"internal: {len(micro_batches)} micro-batches of one row each cannot be halved")
@@ -116,7 +145,7 @@ def _halve(micro_batches: list[list[int]], world: int) -> None:
     micro_batches[j : j + 1] = [rows[:half], rows[half:]]
 
 
-def assign(weights: Sequence[int], world: int, *, equal_count: bool = False) -> list[list[int]]:
+def assign(weights: Sequence[float], world: int, *, equal_count: bool = False) -> list[list[int]]:
     """Item indices in ``world`` sets of balanced summed weight (largest differencing, see the
     module); with ``equal_count`` every set holds ``len(weights) / world`` items (which must divide).
     Sets come back heaviest first, each holding its items in their given order."""
@@ -125,9 +154,9 @@ def assign(weights: Sequence[int], world: int, *, equal_count: bool = False) -> 
         raise PlanError(f"internal: {len(weights)} items do not divide into {world} equal sets")
     counter = itertools.count()
     # a partition: (-(max - min), tiebreak, sets) where sets are (sum, items) heaviest first
-    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
 
-    def push(sets: list[tuple[int, list[int]]]) -> None:
+    def push(sets: list[tuple[float, list[int]]]) -> None:
         sets.sort(key=lambda s: (-s[0], s[1][:1]))
         heapq.heappush(heap, (sets[-1][0] - sets[0][0], next(counter), sets))
 
@@ -224,7 +253,9 @@ def _rebalance(
             mb.sort(key=lambda i: (-lengths[i], i))
 
 
-def _fill_empty(ranks: list[list[list[int]]], valid: Sequence[int]) -> None:
+def _fill_empty(
+    ranks: list[list[list[int]]], valid: Sequence[int], weigh: Callable[[list[int]], float] | None = None
+) -> None:
     """Give every rank without a micro-batch one, in place, from a rank that holds two or more.
 
     The largest differencing balances weights, and a micro-batch of rows without a valid token
@@ -232,19 +263,24 @@ def _fill_empty(ranks: list[list[list[int]]], valid: Sequence[int]) -> None:
     step (the window's engine refuses an empty window). Of the micro-batches a rank of two or more
     can give, the move that leaves the ranks' valid tokens closest to their mean is taken (the row
     moves after it balance further). There are at least ``world`` micro-batches, so a giver exists.
+    With ``weigh`` (a micro-batch's cost) the ranks' costs are brought closest to their mean instead.
     """
+
+    def weight_of(rows: list[int]) -> float:
+        return sum(valid[i] for i in rows) if weigh is None else weigh(rows)
+
     while True:
         empty = next((r for r, rank in enumerate(ranks) if not rank), None)
         if empty is None:
             return
-        totals = [sum(valid[i] for mb in rank for i in mb) for rank in ranks]
+        totals = [sum(weight_of(mb) for mb in rank) for rank in ranks]
         mean = sum(totals) / len(totals)
         best: tuple[float, int, int] | None = None
         for giver, rank in enumerate(ranks):
             if len(rank) < 2:
                 continue
             for m, rows in enumerate(rank):
-                weight = sum(valid[i] for i in rows)
+                weight = weight_of(rows)
                 after = [
                     t - weight if r == giver else t + weight if r == empty else t
                     for r, t in enumerate(totals)
@@ -291,9 +327,11 @@ def plan_tokens(
     world: int = 1,
     equal_count: bool = False,
     valid: Sequence[int] | None = None,
+    cost: CostFn | None = None,
 ) -> TokenPlan:
     """Cut rows into micro-batches within ``max_tokens`` and assign them to ``world`` ranks,
-    balancing the ranks' valid tokens (``valid``, default the lengths).
+    balancing the ranks' valid tokens (``valid``, default the lengths), or with ``cost`` the ranks'
+    totals of ``cost`` called on each micro-batch's rows' valid tokens (:mod:`gradaccum.tokens.cost`).
 
     The fewest micro-batches the sorted cut allows come first; while the ranks' valid tokens lie
     further than :data:`BALANCE_TOLERANCE` from their mean after the assignment and the row moves
@@ -303,7 +341,17 @@ def plan_tokens(
     ``equal_count`` the same number: a rank the assignment left empty (micro-batches of rows
     without a valid token weigh nothing) is given one by :func:`_fill_empty`. Fewer rows than ranks
     is refused, and ``equal_count`` only where no equal plan exists (:func:`_refuse_unequal`).
+
+    With ``cost`` the same search runs on costs: the largest differencing over the micro-batches'
+    costs, then :func:`gradaccum.tokens.cost.balance_by_cost`'s moves instead of the row moves, and
+    the slowest rank's cost within :data:`BALANCE_TOLERANCE` of the mean ends the search. The cut,
+    the budget, the halving and the rules above are the same; ``cost=None`` plans as before.
     """
+    if cost is not None and not callable(cost):
+        raise PlanError(
+            f"cost must be a callable on a micro-batch's row lengths returning its compute cost "
+            f"(e.g. gradaccum.tokens.transformer_cost(d_model, layers)), got {type(cost).__name__}"
+        )
     world = require_int("world", world, error=PlanError)
     valid = list(lengths if valid is None else valid)
     if len(valid) != len(lengths):
@@ -321,25 +369,54 @@ def plan_tokens(
         _halve(micro_batches, world)
     fewest = len(micro_batches)
     best: list[list[list[int]]] | None = None
+    if cost is None:
+
+        def off(ranks: list[list[list[int]]]) -> float:
+            return _imbalance(ranks, valid)
+
+    else:
+        price = cost
+
+        def weigh(rows: list[int]) -> float:
+            return float(price([valid[i] for i in rows]))
+
+        def off(ranks: list[list[list[int]]]) -> float:
+            return ratio_to_mean([sum(weigh(mb) for mb in rank) for rank in ranks]) - 1
+
     while True:
-        weights = [sum(valid[i] for i in mb) for mb in micro_batches]
+        if cost is None:
+            weights: list[float] = [sum(valid[i] for i in mb) for mb in micro_batches]
+        else:
+            weights = [weigh(mb) for mb in micro_batches]
         sets = assign(weights, world, equal_count=equal_count)
         ranks = [[list(micro_batches[m]) for m in items] for items in sets]
-        if world > 1:
+        if world > 1 and cost is None:
             _fill_empty(ranks, valid)
             _rebalance(ranks, lengths, valid, max_tokens)
-        if best is None or _imbalance(ranks, valid) < _imbalance(best, valid):
+        elif world > 1:
+            _fill_empty(ranks, valid, weigh)
+            balance_by_cost(
+                ranks,
+                lengths,
+                valid,
+                max_tokens,
+                price,
+                equal_count=equal_count,
+                tolerance=BALANCE_TOLERANCE,
+            )
+        if best is None or off(ranks) < off(best):
             best = ranks
-        if _imbalance(best, valid) <= BALANCE_TOLERANCE or len(micro_batches) >= fewest + world:
+        if off(best) <= BALANCE_TOLERANCE or len(micro_batches) >= fewest + world:
             break
         step = world if equal_count else 1
         if len(micro_batches) + step > len(lengths):  # each micro-batch holds a row at least
             break
         for _ in range(step):
-            _halve(micro_batches, world)
+            _halve(micro_batches, world, None if cost is None else weigh)
     return TokenPlan(
         ranks=tuple(tuple(tuple(mb) for mb in rank) for rank in best),
         lengths=tuple(lengths),
         valid=tuple(valid),
         max_tokens=max_tokens,
+        cost=cost,
     )

@@ -28,6 +28,7 @@ from gradaccum.batch import select, trim_length
 from gradaccum.errors import PlanError
 from gradaccum.packing import pack, pad
 from gradaccum.tokens.balance import plan_tokens
+from gradaccum.tokens.cost import CostFn
 from gradaccum.tokens.split import split_by_tokens
 from gradaccum.values import require_int
 
@@ -50,11 +51,17 @@ def _refuse_long(docs: list[Document], max_tokens: int, first: int) -> None:
 
 
 def _packed_window(
-    docs: list[Document], max_tokens: int, rank: int, world: int, equal_count: bool, shift: bool
+    docs: list[Document],
+    max_tokens: int,
+    rank: int,
+    world: int,
+    equal_count: bool,
+    shift: bool,
+    cost: CostFn | None,
 ) -> list[dict[str, torch.Tensor]]:
     rows = pack(docs, max(max_tokens, 2), shift=shift, overflow="error")
     lengths = [sum(lengths) for lengths in rows.row_lengths]
-    plan = plan_tokens(lengths, max_tokens, world=world, equal_count=equal_count)
+    plan = plan_tokens(lengths, max_tokens, world=world, equal_count=equal_count, cost=cost)
     return [
         trim_length(select(rows.batch, torch.tensor(mb)), max(lengths[i] for i in mb))
         for mb in plan.ranks[rank]
@@ -71,8 +78,12 @@ def token_windows(
     equal_count: bool = False,
     layout: Layout = "padded",
     shift: bool = True,
+    cost: CostFn | None = None,
 ) -> Iterator[list[Any]]:
-    """This rank's micro-batches of each window of ``global_batch`` documents (see the module)."""
+    """This rank's micro-batches of each window of ``global_batch`` documents (see the module);
+    ``cost`` balances the ranks' compute cost instead of their valid tokens (a packed row's length
+    is its documents' tokens together, so a cost that prices attention per row over-prices packed
+    rows whose documents attend only within themselves)."""
     max_tokens = require_int("max_tokens", max_tokens, error=PlanError)
     global_batch = require_int("global_batch", global_batch, error=PlanError)
     world = require_int("world", world, error=PlanError)
@@ -81,7 +92,9 @@ def token_windows(
         raise PlanError(f"rank={rank} is not one of the world's {world} ranks (0..{world - 1})")
     if layout not in ("padded", "packed"):
         raise PlanError(f"layout must be 'padded' or 'packed', got {layout!r}")
-    return _windows(documents, max_tokens, global_batch, rank, world, equal_count, layout, shift)
+    if cost is not None and not callable(cost):
+        raise PlanError(f"cost must be a callable on a micro-batch's row lengths, got {type(cost).__name__}")
+    return _windows(documents, max_tokens, global_batch, rank, world, equal_count, layout, shift, cost)
 
 
 def _windows(
@@ -93,17 +106,18 @@ def _windows(
     equal_count: bool,
     layout: Layout,
     shift: bool,
+    cost: CostFn | None,
 ) -> Iterator[list[Any]]:
     window: list[Document] = []
     first = 0
     for doc in documents:
         window.append(doc)
         if len(window) == global_batch:
-            yield _window(window, first, max_tokens, rank, world, equal_count, layout, shift)
+            yield _window(window, first, max_tokens, rank, world, equal_count, layout, shift, cost)
             first += len(window)
             window = []
     if window:
-        yield _window(window, first, max_tokens, rank, world, equal_count, layout, shift)
+        yield _window(window, first, max_tokens, rank, world, equal_count, layout, shift, cost)
 
 
 def _window(
@@ -115,10 +129,11 @@ def _window(
     equal_count: bool,
     layout: Layout,
     shift: bool,
+    cost: CostFn | None,
 ) -> list[Any]:
     _refuse_long(docs, max_tokens, first)
     if layout == "packed":
-        return _packed_window(docs, max_tokens, rank, world, equal_count, shift)
+        return _packed_window(docs, max_tokens, rank, world, equal_count, shift, cost)
     longest = max((len(doc) for doc in docs), default=0)
     rows = pad(docs, max(longest, 2), shift=shift, overflow="error")
-    return split_by_tokens(rows.batch, max_tokens, rank=rank, world=world, equal_count=equal_count)
+    return split_by_tokens(rows.batch, max_tokens, rank=rank, world=world, equal_count=equal_count, cost=cost)

@@ -22,6 +22,7 @@ from gradaccum.batch import Batch, batch_size, fields, select, trim_length
 from gradaccum.errors import PlanError
 from gradaccum.loss import IGNORE_INDEX
 from gradaccum.tokens.balance import TokenPlan, plan_tokens
+from gradaccum.tokens.cost import CostFn
 from gradaccum.values import require_int
 
 __all__ = ["plan_batch", "split_by_tokens"]
@@ -56,9 +57,12 @@ def _tokens_tensor(batch: Batch) -> torch.Tensor:
     return marks
 
 
-def plan_batch(batch: Batch, max_tokens: int, *, world: int = 1, equal_count: bool = False) -> TokenPlan:
+def plan_batch(
+    batch: Batch, max_tokens: int, *, world: int = 1, equal_count: bool = False, cost: CostFn | None = None
+) -> TokenPlan:
     """Every rank's micro-batches of ``batch`` as row indices, with what they compute
-    (:class:`gradaccum.tokens.balance.TokenPlan`): what :func:`split_by_tokens` cuts by."""
+    (:class:`gradaccum.tokens.balance.TokenPlan`): what :func:`split_by_tokens` cuts by. ``cost``:
+    balance the ranks' compute cost instead of their valid tokens (see :func:`split_by_tokens`)."""
     present = _tokens(batch)
     positions = torch.arange(1, present.shape[1] + 1).expand_as(present)
     # a row's length is the position after its last token: what trimming must keep (at least 1,
@@ -71,11 +75,18 @@ def plan_batch(batch: Batch, max_tokens: int, *, world: int = 1, equal_count: bo
         world=world,
         equal_count=equal_count,
         valid=[int(n) for n in valid.tolist()],
+        cost=cost,
     )
 
 
 def split_by_tokens(
-    batch: Any, max_tokens: int, *, rank: int = 0, world: int = 1, equal_count: bool = False
+    batch: Any,
+    max_tokens: int,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    equal_count: bool = False,
+    cost: CostFn | None = None,
 ) -> list[Any]:
     """This rank's micro-batches of one window's global ``batch``, each within ``max_tokens``.
 
@@ -99,6 +110,15 @@ def split_by_tokens(
     and MLPs far more than through attention's length-squared term. They are also the units the
     gradient weighs.
 
+    ``cost`` balances the ranks' **compute cost** instead: a callable called on one micro-batch's
+    row lengths (its rows' valid tokens, a sequence of ints) that returns its cost, a sum over rows
+    or not; the plan balances the ranks' totals of what it returns (:mod:`gradaccum.tokens.cost`).
+    ``gradaccum.tokens.transformer_cost(d_model, layers)`` prices a row of L tokens at
+    ``L * (1 + L / (6 * d_model))``: attention's length-squared term, which on long-tailed lengths
+    (a few long rows beside many short ones) makes the rank with the long rows the straggler at the
+    same token total. The cut, the budget, the trimming and the exactness are unchanged: only which
+    rows go to which rank and micro-batch differs, and the step counts the same rows.
+
     ``equal_count=True`` gives every rank the same number of micro-batches: FSDP, FSDP2 and meshes
     gather parameters in every forward, and the step refuses unequal counts there. Without it the
     counts may differ between ranks (DDP steps them exactly). It is refused only for a window that
@@ -112,7 +132,7 @@ def split_by_tokens(
     rank = require_int("rank", rank, low=0, error=PlanError)
     if rank >= world:
         raise PlanError(f"rank={rank} is not one of the world's {world} ranks (0..{world - 1})")
-    plan = plan_batch(batch, max_tokens, world=world, equal_count=equal_count)
+    plan = plan_batch(batch, max_tokens, world=world, equal_count=equal_count, cost=cost)
     out = []
     device = _tokens_tensor(batch).device
     for rows in plan.ranks[rank]:

@@ -19,9 +19,11 @@ from gradaccum.check.workload import Workload
 from gradaccum.distributed.wrap import wrap_model
 from gradaccum.errors import SyncError, TrainError
 from gradaccum.precision import accum_dtype_of, dtype_name, dtype_of
+from gradaccum.tokens.cost import TransformerCost, model_dimensions
 from gradaccum.train.config import TrainConfig
 
 __all__ = [
+    "build_cost",
     "build_model",
     "build_optimizer",
     "check_resumed_dtype",
@@ -39,6 +41,23 @@ def param_dtype_of(workload: Workload, config: TrainConfig) -> torch.dtype | Non
         return dtype_of(config.param_dtype)
     saved = workload.extras.get("saved_dtype")  # an hf: folder's (its model is built in float32)
     return dtype_of(saved) if isinstance(saved, str) else None
+
+
+def build_cost(config: TrainConfig, model: nn.Module) -> TransformerCost | None:
+    """With ``config.balance_cost``: :func:`gradaccum.tokens.transformer_cost` with the d_model and
+    layers the model declares (:func:`gradaccum.tokens.cost.model_dimensions`); refused by name when
+    it declares none. ``None`` otherwise (the ranks balanced by valid tokens)."""
+    if not config.balance_cost:
+        return None
+    dims = model_dimensions(model)
+    if dims is None:
+        raise TrainError(
+            f"--balance-cost prices each row by the model's width and depth, and the workload "
+            f"{config.workload}'s model ({type(model).__name__}) declares neither: no config or cfg "
+            "with d_model/hidden_size/n_embd and n_layer/num_hidden_layers/num_layers. Give the model "
+            "such a config, or balance by tokens (drop --balance-cost)"
+        )
+    return TransformerCost(*dims)
 
 
 def build_model(workload: Workload, config: TrainConfig, device: torch.device) -> nn.Module:

@@ -108,6 +108,10 @@ class TrainConfig:
     longest row), balanced across the ranks (:func:`gradaccum.split_by_tokens`; equal counts under
     FSDP2), instead of ``plan.micro_batch`` rows each; the plan then holds the global batch as
     ``global_batch / dp`` rows per rank and one window. ``None``: fixed micro-batches."""
+    balance_cost: bool = False
+    """With ``max_tokens``: balance the ranks' compute cost, attention included, instead of their
+    valid tokens (:func:`gradaccum.tokens.transformer_cost` with the d_model and layers the
+    workload's model declares); the update is the same, only which rows each rank runs differs."""
     balance: str | None = None
     """A routing (mixture-of-experts) model's load balance: ``exact``, ``lagged``, ``micro-batch``
     (:class:`gradaccum.moe.LoadBalance` modes) or ``off``; ``None``: the model's own choice, exact
@@ -125,7 +129,8 @@ class TrainConfig:
         tokens = "" if window_tokens is None else f" = {window_tokens:,} valid tokens in the first window"
         return (
             f"global_batch = {self.plan.global_batch} rows{tokens}, over dp {self.plan.dp}; micro-batches "
-            f"of at most max_tokens {self.max_tokens} tokens (rows x longest row), balanced by tokens"
+            f"of at most max_tokens {self.max_tokens} tokens (rows x longest row), balanced by "
+            + ("compute cost (attention included)" if self.balance_cost else "tokens")
         )
 
     def __post_init__(self) -> None:
@@ -167,6 +172,14 @@ class TrainConfig:
             raise TrainError(f"weight_decay must be a non-negative number, got {self.weight_decay!r}")
         if not isinstance(self.compile, bool):
             raise TrainError(f"compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.balance_cost, bool):
+            raise TrainError(f"balance_cost must be True or False, got {self.balance_cost!r}")
+        if self.balance_cost and self.max_tokens is None:
+            raise TrainError(
+                "--balance-cost balances the ranks' micro-batches of a token budget by compute cost, "
+                f"and this run cuts fixed micro-batches of {self.plan.micro_batch} rows (no --max-tokens): "
+                "give --max-tokens N with it, or drop --balance-cost"
+            )
         if self.fsdp and self.accum.noise_scale:
             raise TrainError(
                 "the noise scale (accum.noise_scale: --noise-scale, or --batch-schedule critical) is "

@@ -32,6 +32,7 @@ from gradaccum.batch import Batch, batch_size, cast, split, take, to_device
 from gradaccum.errors import PlanError
 from gradaccum.plan import BatchPlan
 from gradaccum.step.accumulator import CountFn
+from gradaccum.tokens.cost import CostFn
 from gradaccum.tokens.split import plan_batch, split_by_tokens
 from gradaccum.train.config import TrainError
 
@@ -135,6 +136,8 @@ class ShardedStream:
     """Token budget per micro-batch (:func:`gradaccum.split_by_tokens`); ``None``: fixed micro-batches."""
     equal_count: bool = False
     """With ``max_tokens``: the same number of micro-batches on every rank."""
+    cost: CostFn | None = None
+    """With ``max_tokens``: balance the ranks by this compute cost instead of valid tokens."""
     start: int = field(init=False)
     """First example of each global batch that this rank trains on (``shard_bounds``)."""
     stop: int = field(init=False)
@@ -163,7 +166,9 @@ class ShardedStream:
         if self.max_tokens is not None:
             parts = self._by_tokens(full, index, self.max_tokens)
             # every rank's cut, as split_by_tokens made it (deterministic): what the window computes
-            cut = plan_batch(full, self.max_tokens, world=self.plan.dp, equal_count=self.equal_count)
+            cut = plan_batch(
+                full, self.max_tokens, world=self.plan.dp, equal_count=self.equal_count, cost=self.cost
+            )
             return Window(
                 index=index,
                 micro_batches=parts,
@@ -184,7 +189,12 @@ class ShardedStream:
         same batch the same way, so the rows are dealt once, with no collective)."""
         try:
             parts = split_by_tokens(
-                full, max_tokens, rank=self.rank, world=self.plan.dp, equal_count=self.equal_count
+                full,
+                max_tokens,
+                rank=self.rank,
+                world=self.plan.dp,
+                equal_count=self.equal_count,
+                cost=self.cost,
             )
         except PlanError as exc:
             raise PlanError(f"--max-tokens {max_tokens} cannot cut window {index}: {exc}") from exc

@@ -39,8 +39,10 @@ from gradaccum.precision import autocast_loss, make_scaler
 from gradaccum.runcard import RunCard, environment, write_runcard
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn, StepResult
 from gradaccum.step.noise import NoiseScale
+from gradaccum.tokens.cost import TransformerCost
 from gradaccum.train.batch_schedule import BatchChange, CriticalBatchSchedule
 from gradaccum.train.build import (
+    build_cost,
     build_model,
     build_optimizer,
     check_resumed_dtype,
@@ -202,6 +204,7 @@ def _setup(config: TrainConfig, workload: Workload) -> _Session:
         float_dtype=torch.float64 if config.precision == "float64" else None,
         max_tokens=config.max_tokens,
         equal_count=config.fsdp,  # FSDP2 gathers parameters in every forward
+        cost=build_cost(config, model),
     )
     # a routing model: the window's balancing term (or none), chosen once by the commands' one rule
     balance, choice = choose_balance(model, config.balance, scaling=config.accum.scaling)
@@ -402,6 +405,7 @@ def _write_runcard(config: TrainConfig, workload: Workload, s: _Session) -> None
         seed=config.seed,
         compile=config.compile,
         max_tokens=config.max_tokens,
+        balance_cost=s.stream.cost.to_dict() if isinstance(s.stream.cost, TransformerCost) else None,
         balance=None if s.balance is None else s.balance.to_dict(),
         param_dtype=stored_dtype(s.model),
         **environment(s.device),

@@ -59,6 +59,7 @@ _RESOLVED = frozenset(
         "micro_batch",
         "accum_steps",
         "max_tokens",
+        "balance_cost",
         "precision",
         "param_dtype",
         "seed",
@@ -214,6 +215,7 @@ def _from_flags(spec: TrainSpec, world: int) -> tuple[BatchPlan, dict[str, Any]]
         "batch_schedule": batch,
         "compile": spec.compile,
         "max_tokens": spec.max_tokens,
+        "balance_cost": spec.balance_cost,
         "balance": spec.balance,
     }
     return plan, fixed
@@ -288,6 +290,9 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         # compiling does not change the update: a compiled card compiles, --compile compiles any card
         "compile": card.compile or spec.compile,
         "max_tokens": card.max_tokens,
+        # the balance by cost does not change the update (the same rows, counted the same); a card
+        # that ran it runs it again, and --balance-cost asks for it on any token-budget card
+        "balance_cost": card.balance_cost is not None or spec.balance_cost,
         # a card from a routing model records the balance it ran; one without (a dense model, or a
         # card older than the field) leaves the model's own choice
         "balance": None if card.balance is None else card.balance["mode"],
@@ -309,6 +314,12 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
     )
     if card.balance is not None:
         notes += (f"from run card: load balance {_balance_words(card.balance)}",)
+    if card.balance_cost is not None:
+        cost = card.balance_cost
+        notes += (
+            f"from run card: ranks balanced by compute cost (transformer, d_model {cost['d_model']}, "
+            f"layers {cost['layers']}; read from the model again)",
+        )
     if batch is not None:
         notes += (
             f"from run card: batch schedule critical, up to {batch.max_global_batch:,} examples, growth "

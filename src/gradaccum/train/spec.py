@@ -148,6 +148,10 @@ class TrainSpec:
     """Instead of ``micro_batch``: micro-batches of at most this many tokens (rows x longest row),
     the window's rows sorted by length and balanced across ranks (:func:`gradaccum.split_by_tokens`);
     ``None``: fixed micro-batches."""
+    balance_cost: bool = False
+    """With ``max_tokens``: balance the ranks by compute cost, attention included
+    (:func:`gradaccum.tokens.transformer_cost` with the model's d_model and layers), not by tokens;
+    a run card that records it balances so too."""
     precision: Precision | None = None
     """Compute precision; ``None``: float32."""
     param_dtype: ParamDtype | None = None
