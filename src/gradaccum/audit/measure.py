@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 
 from gradaccum.check.controls import randomness_off
+from gradaccum.errors import ConfigError
+from gradaccum.workloads.experts import EAGER_FIX, eager_experts_on
 
 __all__ = ["RecordingOptimizer", "float64_copy", "gradients", "preserved_rng", "rel_l2", "state_fingerprint"]
 
@@ -38,8 +40,11 @@ class RecordingOptimizer(torch.optim.Optimizer):
 
 def float64_copy(model: nn.Module, stack: contextlib.ExitStack) -> nn.Module:
     """A float64 deep copy of ``model`` (the user's is not touched), its gradients cleared, every
-    switchable random source off for as long as ``stack`` is open."""
+    switchable random source off for as long as ``stack`` is open, and a transformers MoE's
+    experts on the eager kernel (:func:`~gradaccum.workloads.experts.eager_experts_on`: the fused
+    kernels take no float64) on the copy only."""
     twin = copy.deepcopy(model).to(torch.float64)
+    eager_experts_on(twin, what="the audit's float64 copy", fix=EAGER_FIX, error=ConfigError)
     twin.zero_grad(set_to_none=True)
     stack.enter_context(randomness_off(twin))
     return twin
