@@ -16,7 +16,15 @@ from gradaccum.check.controls import randomness_off
 from gradaccum.errors import ConfigError
 from gradaccum.workloads.experts import EAGER_FIX, eager_experts_on
 
-__all__ = ["RecordingOptimizer", "float64_copy", "gradients", "preserved_rng", "rel_l2", "state_fingerprint"]
+__all__ = [
+    "RecordingOptimizer",
+    "accelerate_state_kept",
+    "float64_copy",
+    "gradients",
+    "preserved_rng",
+    "rel_l2",
+    "state_fingerprint",
+]
 
 
 class RecordingOptimizer(torch.optim.Optimizer):
@@ -91,6 +99,25 @@ def preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(states[1])
         random.setstate(states[2])
         np.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def accelerate_state_kept() -> Iterator[None]:
+    """Accelerate's process-wide state (each singleton's ``_shared_state``) cleared for a recipe that
+    builds its own ``Accelerator`` (Accelerate's row, Trainer's), and the process's own (the
+    caller's, or an earlier run's) given back as it was."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    singletons = (PartialState, AcceleratorState, GradientState)
+    saved = [dict(cls._shared_state) for cls in singletons]
+    for cls in singletons:
+        cls._shared_state.clear()
+    try:
+        yield
+    finally:
+        for cls, state in zip(singletons, saved, strict=True):
+            cls._shared_state.clear()
+            cls._shared_state.update(state)
 
 
 def state_fingerprint(model: nn.Module) -> list[tuple[str, torch.Tensor | None]]:

@@ -97,18 +97,23 @@ def eager_experts_on(
 
 
 def eager_experts(
-    workload: Workload, *, flag: str = "--check-precision", what: str = "the float64 check"
+    workload: Workload,
+    *,
+    flag: str = "--check-precision",
+    what: str = "the float64 check",
+    fix: str | None = None,
 ) -> tuple[Workload, str | None]:
     """``workload`` whose models run their experts on the eager kernel, and a line that says so;
     ``workload`` itself and ``None`` for a model without pluggable experts or already eager. A
     model that cannot be switched is refused with a :class:`WorkloadError` naming
-    ``experts_implementation`` and ``flag float32``. ``what``: what runs in float64, for the words."""
+    ``experts_implementation`` and ``flag float32`` (or ``fix``, for a command that runs in float64
+    only). ``what``: what runs in float64, for the words."""
     model = workload.build_model()
     if fused_kernel(model) is None:
         return workload, None
     was = next(_kernel(m) for m in model.modules() if _switchable(m)) or "the default (grouped_mm)"
     build = workload.build_model
-    fix = (
+    fix = fix or (
         f"save the folder with experts_implementation='eager' in its config, or run in float32 "
         f"({flag} float32)"
     )
