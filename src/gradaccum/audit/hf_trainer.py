@@ -111,9 +111,7 @@ def run_trainer(
     from gradaccum.integrations.trainer_balance import trainer_balance
 
     rows: list[Any] = [
-        {key: value[i] for key, value in mb.items()}
-        for mb in micro
-        for i in range(batch_size(mb))
+        {key: value[i] for key, value in mb.items()} for mb in micro for i in range(batch_size(mb))
     ]
     with (
         tempfile.TemporaryDirectory() as out,

@@ -420,7 +420,7 @@ def audit_stack(
         objective=f"loss_fn summed over every counted {unit[:-1] if unit.endswith('s') else unit} of the "
         f"window / N (N = {units}), float64",
         window=f"{len(micro)} micro-batches of {micro_batch}, {batch_size(batch)} examples, {units} {unit} "
-        f"(counted by count_fn; per micro-batch {list(counts)})",
+        f"(what count_fn counts, the units the loss sums over; per micro-batch {list(counts)})",
         counts=counts,
         model=copy_words + (f", {kernel}" if kernel else ""),
         rows=tuple(out),
