@@ -63,11 +63,12 @@ class StackAudit:
             *([f"- reference: {self.reference}"] if self.reference else []),
             *([f"- rows not run (not asked for): {', '.join(self.skipped)}"] if self.skipped else []),
             "",
-            "| recipe | framework | update error | cause |",
-            "|---|---|---:|---|",
+            "| row | recipe | framework | update error | cause |",
+            "|---|---|---|---:|---|",
         ]
         for row in self.rows:
             error = f"{row.error:.2e}" if row.error is not None else row.status
             framework = f"{row.framework} {row.version}".strip()
-            lines.append(f"| {row.recipe} | {framework} | {error} | {row.cause.replace('|', '/')} |")
+            cause = row.cause.replace("|", "/")
+            lines.append(f"| {row.name} | {row.recipe} | {framework} | {error} | {cause} |")
         return "\n".join(lines) + "\n"
