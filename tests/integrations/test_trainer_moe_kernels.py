@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +39,16 @@ from tests.integrations.test_transformers import K, M, training_args
 COEF = 0.05
 FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
 FLOAT32_BOUND = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _deepspeed_imported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Trainer's set-up imports DeepSpeed, which sets PYTORCH_NVML_BASED_CUDA_CHECK at import: once
+    here, at the module's set-up, and taken out again at its end."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+        Trainer(model=torch.nn.Linear(2, 2), args=training_args(tmp_path_factory.mktemp("set-up")))
+        yield
 
 
 def default_kernel_moe(family: str) -> torch.nn.Module:
@@ -125,3 +137,28 @@ def test_verify_at_start_trains_the_full_batch_update(checked: dict[str, Any]) -
 
 def test_the_users_model_keeps_its_kernel_dtype_mode_parameters_and_grads(checked: dict[str, Any]) -> None:
     assert checked["untouched"]
+
+
+def test_a_kernel_that_cannot_be_switched_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import MixtralForCausalLM
+
+    from gradaccum.errors import ConfigError
+
+    def refuse(self: object, implementation: object) -> None:
+        raise RuntimeError("locked at load time")
+
+    model = default_kernel_moe("mixtral")
+    monkeypatch.setattr(MixtralForCausalLM, "set_experts_implementation", refuse)
+    data = common.sequences(K * M)
+    args = training_args(tmp_path)
+    plain = Trainer(model=model, args=args, train_dataset=data, data_collator=common.collate)
+    with pytest.raises(
+        ConfigError, match="experts_implementation 'grouped_mm'.*experts_implementation='eager'"
+    ):
+        audit_trainer(plain)
+    exact = exact_trainer(Trainer)(model=model, args=args, train_dataset=data, data_collator=common.collate)
+    with pytest.raises(ConfigError, match="verify_accumulation's float64 copies needs the experts"):
+        exact.verify_accumulation()
+    assert _kernel(model) == "grouped_mm"
