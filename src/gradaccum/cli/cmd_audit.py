@@ -80,7 +80,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
             "ROW[,ROW]",
             _row_names,
             "leave out these rows, e.g. --skip deepspeed (both DeepSpeed rows, the slow ones); not with "
-            "--only",
+            "--only (default: none left out)",
         ),
     )
 
