@@ -5,8 +5,9 @@
   same window; also importable from ``gradaccum.integrations.transformers``.
 * :func:`audit_stack` (:mod:`gradaccum.audit.recipes`): one window of a model and its data through
   each installed framework's accumulation recipe (a hand-written ``loss / k`` loop, Accelerate,
-  Lightning) and gradaccum's ``Accumulator``, one row each (:mod:`gradaccum.audit.stack`); what
-  ``gradaccum audit`` prints.
+  Lightning, DeepSpeed, the transformers ``Trainer`` on ``hf:`` workloads) and gradaccum's
+  ``Accumulator``, one row each (:mod:`gradaccum.audit.stack`), chosen by name
+  (:mod:`gradaccum.audit.rows`); what ``gradaccum audit`` prints.
 
 It returns frozen values (:mod:`gradaccum.audit.report`); the figure compared is the accumulated
 gradient, the one the optimizer receives at the end of the window, against the full batch's, in

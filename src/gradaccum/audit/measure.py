@@ -13,8 +13,18 @@ import torch
 import torch.nn as nn
 
 from gradaccum.check.controls import randomness_off
+from gradaccum.errors import ConfigError
+from gradaccum.workloads.experts import EAGER_FIX, eager_experts_on
 
-__all__ = ["RecordingOptimizer", "float64_copy", "gradients", "preserved_rng", "rel_l2", "state_fingerprint"]
+__all__ = [
+    "RecordingOptimizer",
+    "accelerate_state_kept",
+    "float64_copy",
+    "gradients",
+    "preserved_rng",
+    "rel_l2",
+    "state_fingerprint",
+]
 
 
 class RecordingOptimizer(torch.optim.Optimizer):
@@ -38,8 +48,11 @@ class RecordingOptimizer(torch.optim.Optimizer):
 
 def float64_copy(model: nn.Module, stack: contextlib.ExitStack) -> nn.Module:
     """A float64 deep copy of ``model`` (the user's is not touched), its gradients cleared, every
-    switchable random source off for as long as ``stack`` is open."""
+    switchable random source off for as long as ``stack`` is open, and a transformers MoE's
+    experts on the eager kernel (:func:`~gradaccum.workloads.experts.eager_experts_on`: the fused
+    kernels take no float64) on the copy only."""
     twin = copy.deepcopy(model).to(torch.float64)
+    eager_experts_on(twin, what="the audit's float64 copy", fix=EAGER_FIX, error=ConfigError)
     twin.zero_grad(set_to_none=True)
     stack.enter_context(randomness_off(twin))
     return twin
@@ -86,6 +99,25 @@ def preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(states[1])
         random.setstate(states[2])
         np.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def accelerate_state_kept() -> Iterator[None]:
+    """Accelerate's process-wide state (each singleton's ``_shared_state``) cleared for a recipe that
+    builds its own ``Accelerator`` (Accelerate's row, Trainer's), and the process's own (the
+    caller's, or an earlier run's) given back as it was."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    singletons = (PartialState, AcceleratorState, GradientState)
+    saved = [dict(cls._shared_state) for cls in singletons]
+    for cls in singletons:
+        cls._shared_state.clear()
+    try:
+        yield
+    finally:
+        for cls, state in zip(singletons, saved, strict=True):
+            cls._shared_state.clear()
+            cls._shared_state.update(state)
 
 
 def state_fingerprint(model: nn.Module) -> list[tuple[str, torch.Tensor | None]]:

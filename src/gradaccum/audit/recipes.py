@@ -14,14 +14,20 @@ probabilities set to 0, train mode kept), all fed the same micro-batches:
 * DeepSpeed's engine with ``gradient_accumulation_steps=k``: the mean loss of each micro-batch
   through ``engine.backward`` (which divides it by k) and ``engine.step()``; and gradaccum's
   ``prepare_accumulator`` on the same engine;
-* gradaccum's ``Accumulator.step``: each micro-batch's summed loss divided by the window's N.
+* gradaccum's ``Accumulator.step``: each micro-batch's summed loss divided by the window's N;
+* on an ``hf:`` workload, ``transformers.Trainer(gradient_accumulation_steps=k)``: its own count and
+  ``training_step`` over the same micro-batches (:mod:`gradaccum.audit.hf_trainer`).
 
 What is compared is the gradient the optimizer receives: a recording optimizer reads every
 parameter's gradient when ``step`` is called and leaves the parameters as they are. The reference is
-the gradient of the workload's objective over the whole window, ``sum of loss_fn over every
-micro-batch / N`` with ``N = sum of count_fn``, in float64. DeepSpeed's two rows (its engine's
-``gradient_accumulation_steps``, and ``prepare_accumulator`` on the same engine) run in float32 in a
-one-rank process group (:mod:`gradaccum.audit.deepspeed`).
+the gradient of the workload's objective over the whole window, ``loss_fn(whole window) / N`` with
+``N = count_fn(whole window)``, in float64, computed as ``verify`` computes it: the whole window in
+one forward and one backward on its own copy. It shares no code path with the rows' micro-batch
+loops (a reference that summed the micro-batches in the order ``Accumulator.step`` does would give
+gradaccum's row a bitwise 0 that says nothing), so the exact rows print their real rounding.
+DeepSpeed's two rows (its engine's ``gradient_accumulation_steps``, and ``prepare_accumulator`` on
+the same engine) run in float32 in a one-rank process group (:mod:`gradaccum.audit.deepspeed`).
+``rows`` chooses rows by name (:mod:`gradaccum.audit.rows`).
 """
 
 from __future__ import annotations
@@ -38,15 +44,48 @@ import torch
 import torch.nn as nn
 
 from gradaccum.audit.deepspeed import NotRun, deepspeed_gradients
-from gradaccum.audit.measure import RecordingOptimizer, float64_copy, gradients, preserved_rng, rel_l2
+from gradaccum.audit.hf_trainer import TrainerRun, run_trainer
+from gradaccum.audit.measure import (
+    RecordingOptimizer,
+    accelerate_state_kept,
+    float64_copy,
+    gradients,
+    preserved_rng,
+    rel_l2,
+)
+from gradaccum.audit.rows import ROWS
 from gradaccum.audit.stack import RecipeRow, StackAudit
 from gradaccum.batch import Batch, batch_size
 from gradaccum.check.runs import host_count
+from gradaccum.loss import CausalLMLoss
 from gradaccum.step.accumulator import Accumulator, CountFn, LossFn
+from gradaccum.workloads.experts import fused_kernel, kernel_words
 
-__all__ = ["audit_stack", "full_batch_gradient"]
+__all__ = ["REFERENCE", "audit_stack", "full_batch_gradient", "whole_batch_gradient"]
 
 Progress = Callable[[str], None]
+
+TRAINER_ROW = "transformers-trainer"
+
+REFERENCE = (
+    "the whole window in one forward and one backward on another float64 copy (loss_fn over all its "
+    "examples / N, as verify computes it), independent of every row's micro-batch loop"
+)
+"""The reference every row is compared with, in the words the audit prints."""
+
+
+def whole_batch_gradient(
+    model: nn.Module, batch: Batch, loss_fn: LossFn, count_fn: CountFn
+) -> list[torch.Tensor]:
+    """Gradient of ``loss_fn(model, batch) / count_fn(batch)``: the whole window in one forward and
+    one backward, as ``verify``'s reference computes it, independent of every row's micro-batch
+    loop (the rows' own order of additions would give the exact rows a bitwise-equal figure)."""
+    units = max(host_count(count_fn(batch), "the whole window"), 1)  # all padding: zero, never NaN
+    model.zero_grad(set_to_none=True)
+    (loss_fn(model, batch) / units).backward()
+    grads = gradients(model)
+    model.zero_grad(set_to_none=True)
+    return grads
 
 
 def full_batch_gradient(
@@ -78,16 +117,9 @@ def _accelerate(
     model: nn.Module, micro: Sequence[Batch], loss_fn: LossFn, count_fn: CountFn
 ) -> list[torch.Tensor]:
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    # the state is process-wide (each class's _shared_state): the recipe starts from none, and the
-    # process's own, an Accelerator of the caller's or of an earlier run, is given back as it was
-    singletons = (PartialState, AcceleratorState, GradientState)
-    saved = [dict(cls._shared_state) for cls in singletons]
-    for cls in singletons:
-        cls._shared_state.clear()
     recording = RecordingOptimizer(list(model.parameters()))
-    try:
+    with accelerate_state_kept():  # the state is process-wide: the recipe starts from none
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(micro))
         prepared, optimizer = accelerator.prepare(model, recording)
         for mb in micro:
@@ -95,10 +127,6 @@ def _accelerate(
                 accelerator.backward(loss_fn(prepared, mb) / count_fn(mb))
                 optimizer.step()
                 optimizer.zero_grad()
-    finally:
-        for cls, state in zip(singletons, saved, strict=True):
-            cls._shared_state.clear()
-            cls._shared_state.update(state)
     if len(recording.received) != 1:
         raise RuntimeError(f"Accelerate stepped the optimizer {len(recording.received)} times in one window")
     return recording.received[0]
@@ -190,29 +218,18 @@ class _DeepSpeedRows:
         return run
 
 
-def _recipes() -> tuple[tuple[str, str, str, _Recipe, str], ...]:
-    """(recipe, framework, import name, run, which loss it accumulates), in the table's order."""
+def _recipes() -> dict[str, tuple[_Recipe, str]]:
+    """Each row's run and which loss it accumulates, by row name (:data:`gradaccum.audit.rows.ROWS`;
+    ``transformers-trainer`` runs apart, :mod:`gradaccum.audit.hf_trainer`)."""
     deepspeed = _DeepSpeedRows()
-    return (
-        ("hand-written loop: (loss / k).backward()", "torch", "torch", _hand_loop, "mean"),
-        ("Accelerator.accumulate()", "accelerate", "accelerate", _accelerate, "mean"),
-        ("Trainer(accumulate_grad_batches=k)", "lightning", "lightning", _lightning, "mean"),
-        (
-            "engine.backward, gradient_accumulation_steps=k",
-            "deepspeed",
-            "deepspeed",
-            deepspeed.row("loop"),
-            "mean",
-        ),
-        (
-            "prepare_accumulator(engine).step",
-            "deepspeed",
-            "deepspeed",
-            deepspeed.row("exact"),
-            "exact float32",
-        ),
-        ("Accumulator.step", "gradaccum", "gradaccum", _gradaccum, "exact"),
-    )
+    return {
+        "hand-loop": (_hand_loop, "mean"),
+        "accelerate": (_accelerate, "mean"),
+        "lightning": (_lightning, "mean"),
+        "deepspeed-engine": (deepspeed.row("loop"), "mean"),
+        "deepspeed-gradaccum": (deepspeed.row("exact"), "exact float32"),
+        "gradaccum": (_gradaccum, "exact"),
+    }
 
 
 def _installed(module: str) -> bool:
@@ -248,10 +265,15 @@ def _mean_cause(counts: Sequence[int], unit: str, error: float) -> str:
 def _exact_cause(
     counts: Sequence[int], unit: str, error: float, *, rounding: str = "float64 rounding"
 ) -> str:
+    left = (
+        "it is bitwise equal to the reference"
+        if error == 0.0
+        else f"what is left against the whole window's single forward and backward ({error:.1e}) is "
+        f"{rounding}"
+    )
     return (
         f"each micro-batch's summed loss is divided by the window's N = {sum(counts)} {unit}, counted "
-        f"before the first backward: the full batch's objective; what is left ({error:.1e}) is "
-        f"{rounding}"
+        f"before the first backward: the full batch's objective; {left}"
     )
 
 
@@ -282,6 +304,22 @@ def _framework_side_effects_undone() -> Iterator[None]:
         os.environ.update(environ)
 
 
+def _trainer_cause(run: TrainerRun, error: float) -> str:
+    report = run.report
+    said = "; ".join(str(c) for c in report.causes) or (
+        f"Trainer's count and its loss give the full batch's objective here; what is left "
+        f"({error:.1e}) is float32 rounding: transformers' causal-LM loss computes in float32 "
+        "(logits.float())"
+    )
+    if run.balanced:
+        return (
+            f"against the full batch's objective with the window's balancing term ({report.objective}: "
+            f"the model's config asks for it, output_router_logits; loss_fn and the other rows leave it "
+            f"out): {said}"
+        )
+    return said
+
+
 def audit_stack(
     model: nn.Module,
     batch: Batch,
@@ -292,28 +330,38 @@ def audit_stack(
     workload: str = "",
     unit: str = "units",
     progress: Progress | None = None,
+    rows: Sequence[str] | None = None,
+    causal_lm: CausalLMLoss | None = None,
 ) -> StackAudit:
     """Every installed framework's accumulation recipe on one window (``batch`` cut into micro-batches
     of ``micro_batch``) against the full batch's gradient, float64 (module docstring). ``model`` is
     copied; it, its gradients and the random state are left as they were. ``progress`` is called with
-    one line per recipe."""
+    one line per recipe. ``rows``: the names of the rows to run (:func:`gradaccum.audit.rows.select_rows`;
+    ``None``: every row). ``causal_lm``: an ``hf:`` workload's loss, which the
+    ``transformers-trainer`` row needs (without it that row is reported as not run)."""
     from gradaccum.batch import cast, split
 
-    micro = split(cast(batch, torch.float64), micro_batch)
+    chosen = [row for row in ROWS if rows is None or row.name in rows]
+    data = cast(batch, torch.float64)
+    micro = split(data, micro_batch)
     counts = tuple(host_count(count_fn(mb), f"micro-batch {j}") for j, mb in enumerate(micro))
-    rows: list[RecipeRow] = []
+    out: list[RecipeRow] = []
+    runs = _recipes()
     with preserved_rng(), contextlib.ExitStack() as stack:
+        kernel = kernel_words(fused_kernel(model))
         base = float64_copy(model, stack)
-        reference = full_batch_gradient(copy.deepcopy(base), micro, loss_fn, count_fn)
-        for recipe, framework, module, run, kind in _recipes():
+        reference = whole_batch_gradient(copy.deepcopy(base), data, loss_fn, count_fn)
+        for row in chosen:
+            recipe, framework, module = row.recipe, row.framework, row.module
             if not _installed(module):
-                rows.append(
+                out.append(
                     RecipeRow(
                         recipe=recipe,
                         framework=framework,
                         status="not installed",
                         error=None,
                         cause=f"not installed (importlib.util.find_spec({module!r}) is None)",
+                        name=row.name,
                     )
                 )
                 if progress is not None:
@@ -323,37 +371,59 @@ def audit_stack(
                 progress(f"{recipe} ({framework}) on {len(micro)} micro-batches ...")
             try:
                 with _framework_side_effects_undone():
-                    got = run(copy.deepcopy(base), micro, loss_fn, count_fn)
+                    if row.name == TRAINER_ROW:
+                        trained = run_trainer(
+                            copy.deepcopy(base), micro, micro_batch=micro_batch, loss=causal_lm
+                        )
+                        got = trained.grads
+                    else:
+                        run, kind = runs[row.name]
+                        got = run(copy.deepcopy(base), micro, loss_fn, count_fn)
             except NotRun as exc:
-                rows.append(
+                out.append(
                     RecipeRow(
-                        recipe=recipe, framework=framework, status="not run", error=None, cause=str(exc)
+                        recipe=recipe,
+                        framework=framework,
+                        status="not run",
+                        error=None,
+                        cause=str(exc),
+                        name=row.name,
                     )
                 )
                 if progress is not None:
                     progress(f"  not run: {exc}")
                 continue
-            error = rel_l2(got, reference)
-            rows.append(
+            if row.name == TRAINER_ROW:
+                error = trained.report.error if trained.balanced else rel_l2(got, reference)
+                assert error is not None  # run_trainer raises NotRun for an unmeasured window
+                cause = _trainer_cause(trained, error)
+            else:
+                error = rel_l2(got, reference)
+                cause = _cause(kind, counts, unit, error)
+            out.append(
                 RecipeRow(
                     recipe=recipe,
                     framework=framework,
                     status="measured",
                     error=error,
-                    cause=_cause(kind, counts, unit, error),
+                    cause=cause,
                     version=_version(module),
+                    name=row.name,
                 )
             )
             if progress is not None:
                 progress(f"  update error {error:.2e}")
     units = sum(counts)
+    copy_words = "a float64 deep copy of the model, train mode kept, every dropout probability set to 0"
     return StackAudit(
         workload=workload,
         objective=f"loss_fn summed over every counted {unit[:-1] if unit.endswith('s') else unit} of the "
         f"window / N (N = {units}), float64",
         window=f"{len(micro)} micro-batches of {micro_batch}, {batch_size(batch)} examples, {units} {unit} "
-        f"(per micro-batch {list(counts)})",
+        f"(what count_fn counts, the units the loss sums over; per micro-batch {list(counts)})",
         counts=counts,
-        model="a float64 deep copy of the model, train mode kept, every dropout probability set to 0",
-        rows=tuple(rows),
+        model=copy_words + (f", {kernel}" if kernel else ""),
+        rows=tuple(out),
+        reference=REFERENCE,
+        skipped=tuple(row.name for row in ROWS if row not in chosen),
     )

@@ -45,6 +45,9 @@ class AuditReport:
     """What could not be audited, and why (empty when everything was)."""
     residual: float | None = None
     """Error left after every cause above was fixed (``None`` when no fix was recomputed)."""
+    reference: str = ""
+    """How the float64 full batch was computed: on which copy of the model (dropout off, a MoE's
+    experts kernel) and in which order."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +62,8 @@ class AuditReport:
         ]
         if self.window:
             lines.append(f"  window: {self.window}")
+        if self.reference:
+            lines.append(f"  reference: {self.reference}")
         lines += [f"  cause: {cause}" for cause in self.causes]
         if self.residual is not None and self.causes:
             lines.append(f"  left after those fixes: {self.residual:.2e}")

@@ -26,6 +26,8 @@ class RecipeRow:
     cause: str
     """Why the error is what it is, or why the recipe was not run, in a sentence with its figures."""
     version: str = ""
+    name: str = ""
+    """The row's name (``gradaccum audit --only``/``--skip``; :data:`gradaccum.audit.rows.ROWS`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +44,11 @@ class StackAudit:
     model: str
     """How the audited copy was made (precision, randomness)."""
     rows: tuple[RecipeRow, ...]
+    reference: str = ""
+    """How the full batch's gradient every row is compared with was computed (independently of
+    every row's micro-batch loop)."""
+    skipped: tuple[str, ...] = ()
+    """The names of the rows not asked for."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,12 +60,15 @@ class StackAudit:
             f"- objective: {self.objective}",
             f"- window: {self.window}",
             f"- model: {self.model}",
+            *([f"- reference: {self.reference}"] if self.reference else []),
+            *([f"- rows not run (not asked for): {', '.join(self.skipped)}"] if self.skipped else []),
             "",
-            "| recipe | framework | update error | cause |",
-            "|---|---|---:|---|",
+            "| row | recipe | framework | update error | cause |",
+            "|---|---|---|---:|---|",
         ]
         for row in self.rows:
             error = f"{row.error:.2e}" if row.error is not None else row.status
             framework = f"{row.framework} {row.version}".strip()
-            lines.append(f"| {row.recipe} | {framework} | {error} | {row.cause.replace('|', '/')} |")
+            cause = row.cause.replace("|", "/")
+            lines.append(f"| {row.name} | {row.recipe} | {framework} | {error} | {cause} |")
         return "\n".join(lines) + "\n"

@@ -43,8 +43,9 @@ from gradaccum.errors import ConfigError
 from gradaccum.integrations.trainer_balance import trainer_balance
 from gradaccum.integrations.transformers import ExactTrainer, exact_trainer
 from gradaccum.loss import valid_tokens
+from gradaccum.workloads.experts import fused_kernel, kernel_words
 
-__all__ = ["EXACT_BOUND", "audit_trainer"]
+__all__ = ["EXACT_BOUND", "audit_trainer", "audit_window"]
 
 EXACT_BOUND = 1e-6
 """An error at or below this is reported with no cause: transformers' causal-LM loss computes in
@@ -61,9 +62,7 @@ def audit_trainer(trainer: Trainer) -> AuditReport:
         raise ConfigError(f"audit_trainer takes a transformers.Trainer, got {type(trainer).__name__}")
     name = type(trainer).__name__
     k = int(trainer.args.gradient_accumulation_steps)
-    device = trainer.args.device
     with preserved_rng(), contextlib.ExitStack() as stack:
-        core = trainer.accelerator.unwrap_model(trainer.model)
         micro = _first_window(trainer, k)
         if not micro:
             raise ConfigError(f"audit_trainer needs training data; {name}'s train dataloader is empty")
@@ -81,50 +80,83 @@ def audit_trainer(trainer: Trainer) -> AuditReport:
                     "which compares its update with one full batch of its own objective."
                 ),
             )
-        model = float64_copy(core, stack)
-        exact, why_not = _exact_twin(trainer, float64_copy(core, stack))
-        if exact is None:
-            return AuditReport(recipe=name, error=None, exact_error=None, unaudited=why_not)
-        counts = [int(exact.count(mb)) for mb in micro]
-        balance = trainer_balance(model, device)
-        config: Any = getattr(model, "config", None)
-        routing = None
-        if balance is not None:
-            routing = Routing(coef=float(config.router_aux_loss_coef), top_k=int(config.num_experts_per_tok))
-        reference = full_batch(
-            model,
-            micro,
-            trainer._prepare_inputs,
-            shift=exact.label_shift,
-            ignore_index=exact.exact.ignore_index,
-            smoothing=float(trainer.args.label_smoothing_factor),
-            routing=routing,
+        examples = k * int(trainer.args.per_device_train_batch_size)
+        where = (
+            "the first window the trainer's own train dataloader draws (its sampler's order and its "
+            f"collator; verify_accumulation checks the training set's first {examples} examples in "
+            "dataset order, another window)"
         )
-        twin = _twin(trainer, model, device)
-        own = _run(twin, model, micro)
-        error = rel_l2(own.grads, reference.grads)
-        exact_error = rel_l2(_exact_run(exact, micro), reference.grads)
-        units = sum(counts)
-        window = (
-            f"{len(micro)} micro-batches, {sum(_rows(mb) for mb in micro)} examples, {units} target "
-            f"tokens (per micro-batch {counts})"
-        )
-        objective = "token cross-entropy summed over the window's targets / N" + (
-            f" + {routing.coef:g} x the balancing loss over the whole window" if routing else ""
-        )
-        causes: list[Cause] = []
-        residual = None
-        if error > EXACT_BOUND:
-            causes, residual = _causes(twin, model, micro, own, reference, counts, balance, error)
-        return AuditReport(
-            recipe=name,
-            error=error,
-            exact_error=exact_error,
-            causes=tuple(causes),
-            objective=objective,
-            window=window,
-            residual=residual,
-        )
+        report, _ = audit_window(trainer, micro, stack, where=where)
+        return report
+
+
+def audit_window(
+    trainer: Trainer, micro: Sequence[Any], stack: contextlib.ExitStack, *, where: str
+) -> tuple[AuditReport, list[torch.Tensor]]:
+    """``trainer``'s own accumulation over the micro-batches ``micro`` on float64 copies of its model
+    (the copies live while ``stack`` is open), against the full batch's objective: the report, and
+    the gradient the trainer's optimizer would receive. ``where`` says which window ``micro`` is."""
+    name = type(trainer).__name__
+    device = trainer.args.device
+    core = trainer.accelerator.unwrap_model(trainer.model)
+    kernel = kernel_words(fused_kernel(core))
+    model = float64_copy(core, stack)
+    exact, why_not = _exact_twin(trainer, float64_copy(core, stack))
+    if exact is None:
+        return AuditReport(recipe=name, error=None, exact_error=None, unaudited=why_not), []
+    counts = [int(exact.count(mb)) for mb in micro]
+    balance = trainer_balance(model, device)
+    config: Any = getattr(model, "config", None)
+    routing = None
+    if balance is not None:
+        routing = Routing(coef=float(config.router_aux_loss_coef), top_k=int(config.num_experts_per_tok))
+    reference = full_batch(
+        model,
+        micro,
+        trainer._prepare_inputs,
+        shift=exact.label_shift,
+        ignore_index=exact.exact.ignore_index,
+        smoothing=float(trainer.args.label_smoothing_factor),
+        routing=routing,
+    )
+    twin = _twin(trainer, model, device)
+    own = _run(twin, model, micro)
+    error = rel_l2(own.grads, reference.grads)
+    exact_error = rel_l2(_exact_run(exact, micro), reference.grads)
+    units = sum(counts)
+    targets = (
+        "target tokens (labels != -100 that a position predicts, after the causal shift)"
+        if exact.label_shift
+        else "target tokens (labels != -100)"
+    )
+    window = (
+        f"{where}: {len(micro)} micro-batches, {sum(_rows(mb) for mb in micro)} examples, {units} "
+        f"{targets}, per micro-batch {counts}"
+    )
+    objective = "token cross-entropy summed over the window's targets / N" + (
+        f" + {routing.coef:g} x the balancing loss over the whole window" if routing else ""
+    )
+    copy_words = "a float64 deep copy of the model, dropout off" + (f", {kernel}" if kernel else "")
+    reference_words = (
+        f"the objective written out in float64 on {copy_words}, apart from the trainer's compute_loss "
+        "(gradaccum.audit.objective): each micro-batch's summed cross-entropy divided once by the "
+        "window's N" + (", the balancing term from the whole window's routing statistics" if routing else "")
+    )
+    causes: list[Cause] = []
+    residual = None
+    if error > EXACT_BOUND:
+        causes, residual = _causes(twin, model, micro, own, reference, counts, balance, error)
+    report = AuditReport(
+        recipe=name,
+        error=error,
+        exact_error=exact_error,
+        causes=tuple(causes),
+        objective=objective,
+        window=window,
+        residual=residual,
+        reference=reference_words,
+    )
+    return report, own.grads
 
 
 # -- the window, the copies ----------------------------------------------------------------------

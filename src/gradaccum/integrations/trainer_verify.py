@@ -12,6 +12,10 @@ objective with that term in it: the reference is the full batch's loss (the mode
 per-forward term off) plus ``coef * E * sum_i f_i P_i`` from the whole batch's routing statistics,
 and the window runs the trainer's routing pass, agreed statistics and per-micro-batch terms on the
 candidate copy (scaled for this one process, whatever the job's world size).
+
+A transformers MoE whose experts run on a fused kernel (``grouped_mm``, the default) is checked
+with its copies' experts on the eager kernel, which computes the same function in float64
+(:func:`gradaccum.workloads.experts.eager_experts_on`); the trainer's model keeps its own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from gradaccum.check.equivalence import verify
 from gradaccum.check.report import EquivalenceReport
 from gradaccum.errors import ConfigError
 from gradaccum.integrations.trainer_balance import trainer_balance, whole_batch_term
+from gradaccum.workloads.experts import EAGER_FIX, eager_experts_on
 
 __all__ = ["verify_trainer"]
 
@@ -60,6 +65,9 @@ def verify_trainer(
     batch = trainer._verification_layout(loader.collate_fn(examples))
     sizes = [m] * (len(examples) // m) + ([len(examples) % m] if len(examples) % m else [])
     initial = trainer._verification_copy()
+    # the float64 copies run a transformers MoE's experts on the eager kernel (the fused ones take
+    # no float64); the trainer's own model keeps its kernel
+    eager_experts_on(initial, what="verify_accumulation's float64 copies", fix=EAGER_FIX, error=ConfigError)
     for module in initial.modules():
         if isinstance(module, _DROPOUTS):
             module.p = 0.0  # training_step calls model.train(), which would switch eval() back
