@@ -39,7 +39,10 @@ def _model() -> nn.Module:
 def _window(rank: int, k: int) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(rank)
     return [
-        {"x": torch.randn(4 + rank, 4, generator=gen, dtype=torch.float64), "y": torch.randint(0, 3, (4 + rank,))}
+        {
+            "x": torch.randn(4 + rank, 4, generator=gen, dtype=torch.float64),
+            "y": torch.randint(0, 3, (4 + rank,)),
+        }
         for _ in range(k)
     ]
 
@@ -71,7 +74,10 @@ def _attempt(ddp: DDP, settings: dict[str, Any], window: list[Any], loss_fn: Any
 
 
 def _ranks(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    out = {name: _attempt(DDP(_model()), settings, _window(rank, k), _mean) for name, (settings, k) in CASES.items()}
+    out = {
+        name: _attempt(DDP(_model()), settings, _window(rank, k), _mean)
+        for name, (settings, k) in CASES.items()
+    }
     out["rank 0 only"] = _attempt(DDP(_model()), {}, _window(rank, 2), _mean if rank == 0 else _sum)
     return out
 
@@ -99,6 +105,9 @@ def test_a_rank_whose_loss_is_a_sum_stops_with_the_one_that_refused(
     refused, told = ranks[0]["rank 0 only"], ranks[1]["rank 0 only"]
     assert refused["error"] == "LossError"
     assert told["error"] == "RankFailedError"
-    assert "rank 0 failed in forward of micro-batch 0: LossError: loss_fn returned a mean-reduced loss" in told["message"]
+    assert (
+        "rank 0 failed in forward of micro-batch 0: LossError: loss_fn returned a mean-reduced loss"
+        in told["message"]
+    )
     for got in (refused, told):
         assert got["unchanged"] and got["no grad"] and got["no optimizer state"]

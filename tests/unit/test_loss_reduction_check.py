@@ -102,8 +102,9 @@ MEANS: dict[str, tuple[Callable[[nn.Module, Batch], torch.Tensor], str]] = {
 
 SUMS: dict[str, Callable[[nn.Module, Batch], torch.Tensor]] = {
     "reduction='sum'": _ce,
-    "mean times its count": lambda m, mb: F.cross_entropy(_logits(m, mb), mb["y"], ignore_index=IGNORE)
-    * _count(mb),
+    "mean times its count": lambda m, mb: (
+        F.cross_entropy(_logits(m, mb), mb["y"], ignore_index=IGNORE) * _count(mb)
+    ),
     "a scaled sum": lambda m, mb: 0.5 * _ce(m, mb),
     "a sum over a temperature": lambda m, mb: _ce(m, mb) / 7.0,
     "per-row means, summed": lambda m, mb: _logits(m, mb).square().mean(dim=1).sum(),
@@ -129,7 +130,9 @@ def test_a_mean_passed_as_a_sum_is_refused_and_nothing_changes(form: str, path: 
     with pytest.raises(LossError) as raised:
         acc.step(_window(), loss_fn, _count)
     message = str(raised.value)
-    assert message.startswith("loss_fn returned a mean-reduced loss for micro-batch 0 (count_fn counts 4 units")
+    assert message.startswith(
+        "loss_fn returned a mean-reduced loss for micro-batch 0 (count_fn counts 4 units"
+    )
     assert names in message
     assert "loss_reduction='sum' (the default)" in message and "*summed*" in message
     for fix in ("reduction='sum'", "loss_reduction='mean'", "check_loss_reduction=False"):
@@ -183,7 +186,9 @@ def test_declared_per_micro_batch_loss_steps_as_declared(path: str) -> None:
     window = _window()
     ref_model = _model()
     objective = sum(_ce(ref_model, mb) / int(_count(mb)) for mb in window) / len(window)
-    for got, want in zip(probe.seen, torch.autograd.grad(objective, list(ref_model.parameters())), strict=True):
+    for got, want in zip(
+        probe.seen, torch.autograd.grad(objective, list(ref_model.parameters())), strict=True
+    ):
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
@@ -201,5 +206,7 @@ def test_a_mean_over_no_units_is_refused() -> None:
     window = _window()
     window[0]["y"][:] = IGNORE  # cross_entropy's mean over zero targets: NaN
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(LossError, match=r"micro-batch 0 \(count_fn counts 0 units in it\).*a mean over 0 units"):
+    with pytest.raises(
+        LossError, match=r"micro-batch 0 \(count_fn counts 0 units in it\).*a mean over 0 units"
+    ):
         acc.step(window, MEANS["cross_entropy default"][0], _count)

@@ -63,11 +63,11 @@ from gradaccum.distributed import dist
 from gradaccum.distributed.sync import forward_called
 from gradaccum.errors import ConfigError, SyncError
 from gradaccum.step.checks import check_loss, unmean
-from gradaccum.step.reduction import ReductionCheck
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.external import ExternalOutcome
 from gradaccum.step.face import EngineFace
+from gradaccum.step.reduction import ReductionCheck
 from gradaccum.step.window import ZERO_COUNT, CastScale, Contribution, CountFn
 
 __all__ = ["DeepSpeedAccumulator", "DeepSpeedStep", "prepare_accumulator"]
