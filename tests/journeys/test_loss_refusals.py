@@ -2,8 +2,9 @@
 (a mean), handed to ``Accumulator.step``, which takes each loss for a *sum* by default.
 
 Before, the step used the mean as if summed: every micro-batch's tokens weighed 1/(n_j N) instead
-of 1/N, the update off in scale by the micro-batch's token count (relL2 1.000 against the exact
-update), and nothing said so. Now the first window is refused, naming the reduction and the two
+of 1/N, the update off in scale by the micro-batch's token count (relL2 0.895 against the exact
+update here, with 10 and 9 tokens a micro-batch; 1.000 at a language model's counts), and nothing
+said so. Now the first window is refused, naming the reduction and the two
 fixes, with the parameters as they were; both fixes then step exactly.
 """
 
