@@ -107,7 +107,7 @@ def _poisoned(rank: int) -> Any:
 
 
 def _stage(rank: int, stage: int) -> dict[str, Any]:
-    from gradaccum.errors import ConfigError, WindowError
+    from gradaccum.errors import ConfigError, LossError, WindowError
     from gradaccum.integrations.deepspeed import prepare_accumulator
 
     a, b = _data()
@@ -129,6 +129,13 @@ def _stage(rank: int, stage: int) -> dict[str, Any]:
     except WindowError as exc:
         out["uneven refusal"] = str(exc)
     out["after refusal"] = int(engine.global_steps)
+    try:  # a mean passed as a sum: refused on both ranks before the first backward, nothing stepped
+        prepare_accumulator(engine).step(
+            _window(a, rank, K), lambda m, mb: loss_fn(m, mb) / count_fn(mb), count_fn
+        )
+    except LossError as exc:
+        out["mean refusal"] = str(exc)
+    out["after mean refusal"] = int(engine.global_steps)
     out["results"] = [(r.applied, r.micro_batches, r.global_count, r.local_count) for r in results]
     out["global_steps"] = steps
     out["skipped_steps"] = int(engine.skipped_steps)
@@ -233,6 +240,16 @@ def test_windows_of_unequal_lengths_are_refused_on_both_ranks(ranks: list[dict[s
         for s in r["stages"]:
             assert "different numbers of micro-batches" in s["uneven refusal"], s["stage"]
             assert s["after refusal"] == s["global_steps"][-1]  # nothing stepped
+
+
+def test_a_mean_reduced_loss_is_refused_on_both_ranks(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        for s in r["stages"]:
+            assert s["mean refusal"].startswith("loss_fn returned a mean-reduced loss for micro-batch 0"), s[
+                "stage"
+            ]
+            assert "a sum divided by" in s["mean refusal"] and "loss_reduction='mean'" in s["mean refusal"]
+            assert s["after mean refusal"] == s["global_steps"][-1]  # nothing stepped
 
 
 def test_gradaccum_clipping_is_refused_naming_deepspeeds(ranks: list[dict[str, Any]]) -> None:

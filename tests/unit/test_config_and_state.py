@@ -31,6 +31,7 @@ WRONG: list[tuple[str, Any, str]] = [
     ("skip_nonfinite", None, "skip_nonfinite must be True or False"),
     ("agree_on_failure", 0, "agree_on_failure must be True or False"),
     ("noise_scale", "yes", "noise_scale must be True or False, got 'yes'"),
+    ("check_loss_reduction", "off", "check_loss_reduction must be True or False, got 'off'"),
     ("noise_scale", None, "noise_scale must be True or False"),
     ("max_consecutive_skips", "3", "max_consecutive_skips must be a positive integer"),
     ("max_consecutive_skips", 2.0, "max_consecutive_skips must be a positive integer"),

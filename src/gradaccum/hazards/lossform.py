@@ -28,6 +28,8 @@ class LossForm:
     """0-dim constants the reduction was multiplied by (False) or divided by (True)."""
     count: torch.Tensor | int | None
     """Units the mean reduction divided by; ``None`` for a sum."""
+    node: str = ""
+    """The autograd node of the reduction (``NllLossBackward0``, ``MeanBackward0``, ...)."""
 
     def scale(self) -> float:
         out = 1.0
@@ -90,7 +92,7 @@ def read_loss(root: Any, site: tuple[str, int], skip_top_mul: bool) -> LossForm 
         count = node._saved_self.numel() if reduction == 1 else None
     else:
         return None
-    return LossForm(site, tuple(factors), count)
+    return LossForm(site, tuple(factors), count, name)
 
 
 def listed(values: list[float]) -> str:

@@ -67,6 +67,7 @@ from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.external import ExternalOutcome
 from gradaccum.step.face import EngineFace
+from gradaccum.step.reduction import ReductionCheck
 from gradaccum.step.window import ZERO_COUNT, CastScale, Contribution, CountFn
 
 __all__ = ["DeepSpeedAccumulator", "DeepSpeedStep", "prepare_accumulator"]
@@ -139,6 +140,8 @@ class DeepSpeedAccumulator(EngineFace):
             backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
             external=step,
         )
+        # the first window's losses are read for a mean passed as a sum (step/reduction.py)
+        self._reduction = ReductionCheck(config.loss_reduction, config.check_loss_reduction)
 
     @property
     def stage(self) -> int:
@@ -165,11 +168,15 @@ class DeepSpeedAccumulator(EngineFace):
         scale = CastScale(counted.scale())
         counts = counted.counts
         last = len(micro_batches) - 1
+        reduction = self._reduction
+        judging = reduction.pending
 
         def contribute(i: int, mb: Any) -> Contribution:
             # before the forward: ZeRO-3's hooks read the boundary in forward and backward
             ds.set_gradient_accumulation_boundary(i == last)
             loss = check_loss(engine_forward_checked(ds, self.stage, loss_fn, mb, i), i)
+            if judging:  # before the backward: every rank refuses a mean passed as a sum
+                reduction.judge(loss, counts[i], i)
             if mean:
                 loss = unmean(loss, counts[i], i)
             # a new tensor, never the forward's output itself: at stage 0 DeepSpeed divides an output
@@ -177,6 +184,7 @@ class DeepSpeedAccumulator(EngineFace):
             return Contribution(loss * scale.to(loss.dtype), loss.detach())
 
         accumulated = engine.accumulate(micro_batches, contribute)
+        reduction.pending = False
         return engine.conclude(counted, accumulated)
 
 

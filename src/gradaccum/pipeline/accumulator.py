@@ -34,6 +34,7 @@ from gradaccum.moe.runner import refuse_balance
 from gradaccum.step.config import AccumConfig, StepResult
 from gradaccum.step.engine import WindowEngine
 from gradaccum.step.face import EngineFace
+from gradaccum.step.reduction import ReductionCheck
 from gradaccum.step.window import Accumulated, CountFn
 
 __all__ = ["SCHEDULES", "PipelineAccumulator", "StageLossFn"]
@@ -103,6 +104,8 @@ class PipelineAccumulator(EngineFace):
         self._given_schedule = None if isinstance(schedule, str) else schedule
         self._stages = stages
         self._loss_fn = loss_fn
+        # the first window's losses are read for a mean passed as a sum (step/reduction.py)
+        self._reduction = ReductionCheck("sum", True if config is None else config.check_loss_reduction)
         self._schedules: dict[int, Any] = {}
         modules = nn.ModuleList([s.submod for s in stages])
         if config is not None and config.scaling != "pre":
@@ -110,6 +113,13 @@ class PipelineAccumulator(EngineFace):
                 f"scaling={config.scaling!r} is not supported by PipelineAccumulator: its schedule runs "
                 "the whole window at once, so the window is in hand and counted up front anyway. "
                 "Leave scaling at 'pre'."
+            )
+        if config is not None and config.loss_reduction != "sum":
+            raise ConfigError(
+                f"AccumConfig.loss_reduction={config.loss_reduction!r} is not supported by "
+                "PipelineAccumulator: the schedule hands loss_fn's value straight to its backward, "
+                "where no per-micro-batch count can multiply a mean back. Return the loss summed "
+                "over count_fn's units (reduction='sum') and leave loss_reduction at 'sum'."
             )
         if config is not None and config.accum_dtype is not None:
             raise ConfigError(
@@ -194,6 +204,8 @@ class PipelineAccumulator(EngineFace):
         loss = self._loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise ConfigError(f"loss_fn must return a 0-dim tensor (the summed loss), got {loss!r}")
+        if self._reduction.pending:  # the count is not at hand here: a mean reduction is refused
+            self._reduction.judge(loss, None, len(self._losses))
         self._losses.append(loss.detach().to(torch.float64))
         return loss * self._scale.to(loss.dtype)
 
@@ -225,6 +237,7 @@ class PipelineAccumulator(EngineFace):
         # the schedule's first step also calls the loss once while it infers the stages' buffers:
         # the window's own losses are the last k calls
         losses = self._losses[-k:] if last else []
+        self._reduction.pending = False
         zero = torch.zeros((), dtype=torch.float64, device=engine.device)
         loss = torch.stack(losses).sum() if losses else zero
         return engine.conclude(counted, Accumulated(loss, zero, False, k))

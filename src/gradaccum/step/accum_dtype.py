@@ -19,7 +19,14 @@ The mechanism, per wrapper (torch 2.13):
   alone; a communication hook adds the float32 sum back, divides by the W ranks (as DDP's own
   reduction does) and all-reduces in float32: the ranks exchange the float32 *sum* (4 bytes per
   parameter instead of 2). After the backward ``.grad`` is the reduced float32 sum again, the same
-  on every rank. A model with another communication hook is refused (DDP takes one hook).
+  on every rank. A model with another communication hook is refused (DDP takes one hook). Under
+  ``find_unused_parameters=True`` a parameter whose sum is set aside holds a zero ``.grad`` of its
+  own dtype during that backward instead of none: DDP records the parameters a no-sync
+  micro-batch used, and one that the synchronizing backward does not reach is marked ready with
+  its ``.grad`` as it is; an undefined one there stops DDP ("a bug in DDP implementation") on that
+  rank while the others wait in the all-reduce. The zero goes into the bucket, the hook adds the
+  float32 sum to it (0 + g = g: the sum is the same bits), and a parameter the backward reaches
+  accumulates into the zero exactly as into nothing.
 - FSDP2 accumulates the unsharded gradient in ``MixedPrecisionPolicy.reduce_dtype`` when it differs
   from the compute dtype (``FSDPParam.to_accumulated_grad_if_needed``), reduce-scatters it in that
   dtype and rounds the shard once into the parameter's dtype. So FSDP2 needs no hook: the policy
@@ -183,6 +190,9 @@ class WideGradients:
         self._stashed: dict[int, torch.Tensor] = {}  # a parameter's float32 sum, set aside for a sync
         self._reduced: dict[int, torch.Tensor] = {}  # its reduced float32 sum, from the hook
         self._ddp = ddp is not None
+        # DDP that finds unused parameters refuses an undefined .grad on a parameter a no-sync
+        # micro-batch used, when the synchronizing backward does not reach it (see around_sync)
+        self._zero_aside = bool(getattr(ddp, "find_unused_parameters", False))
         self.closed = False
         self.reduced_bytes = 0  # what the communication hook has all-reduced, payload bytes
         if ddp is not None:
@@ -265,12 +275,15 @@ class WideGradients:
             return backward
 
         def synchronizing_backward(contribution: torch.Tensor) -> Any:
+            zero_aside = self._zero_aside
             for p in self._live:
                 grad = p.grad
                 p.grad = None
                 p.grad_dtype = p.dtype
                 if grad is not None:
                     self._stashed[id(p)] = grad
+                    if zero_aside:  # DDP copies the zero into its bucket; the hook adds the sum
+                        p.grad = torch.zeros_like(p)
             try:
                 return backward(contribution)
             finally:

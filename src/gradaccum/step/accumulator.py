@@ -26,6 +26,7 @@ from gradaccum.step.lifetime import closed_error
 from gradaccum.step.noise import NoiseScale
 from gradaccum.step.plain import plain_window
 from gradaccum.step.post_scaling import PostScalingEngine
+from gradaccum.step.reduction import ReductionCheck
 from gradaccum.step.stream import declared_length
 from gradaccum.step.window import (
     ZERO_COUNT,
@@ -117,6 +118,8 @@ class Accumulator(EngineFace):
         if balancer is not None:  # its counts carry, and its bias moves, once per applied update
             hooks = self._engine.on_step  # before the caller's hooks, which may evaluate the model
             hooks.insert(len(hooks) - len(on_step), balancer.applied)
+        # the first window's losses are read for a mean passed as a sum (step/reduction.py)
+        self._reduction = ReductionCheck(config.loss_reduction, config.check_loss_reduction)
         # decided once: a plain step skips what only distributed or optional features use
         self._plain = plain_window(self._engine)
         # DDP must run its forward in a synchronizing micro-batch; a backward of the caller's own
@@ -162,7 +165,7 @@ class Accumulator(EngineFace):
                 "with scaling='pre' the step reads the whole window first. Drop length=."
             )
         if self._plain is not None and self._plain.applies():
-            return self._plain.step(window, loss_fn, count_fn)
+            return self._plain.step(window, loss_fn, count_fn, self._reduction)
         micro_batches, failure = engine.open(window)
         model, scaler, balance = engine.model, engine.scaler, engine.balance
         if balance is not None:
@@ -175,12 +178,16 @@ class Accumulator(EngineFace):
         # each micro-batch adds sum_t l_t / N; DDP then averages over W ranks, so scale by W / N
         scale = CastScale(counted.scale())
         counts = counted.counts
+        reduction = self._reduction
+        judging = reduction.pending  # the first window only: a refusal raises inside contribute
 
         def contribute(i: int, mb: Any) -> Contribution:
             if balance is None:
                 loss, term, rejected = check_loss(loss_fn(model, mb), i), None, None
             else:
                 loss, term, rejected = balanced_forward(balance, i, mb, model, loss_fn)
+            if judging:
+                reduction.judge(loss, counts[i], i)
             if mean:
                 loss = unmean(loss, counts[i], i)
             contribution = loss * scale.to(loss.dtype)
@@ -192,6 +199,7 @@ class Accumulator(EngineFace):
 
         checked = ddp_forward_checked(model, self._sync_kind, contribute)
         accumulated = engine.accumulate(micro_batches, checked)
+        reduction.pending = False  # every micro-batch's loss was read without a refusal
         if balance is None:
             return engine.conclude(counted, accumulated)
         balance.finish()
@@ -207,9 +215,13 @@ class Accumulator(EngineFace):
         model, scaler = engine.model, engine.scaler
         mean = engine.config.loss_reduction == "mean"
         scales: dict[torch.dtype, torch.Tensor] = {}
+        reduction = self._reduction
+        judging = reduction.pending  # the first window only: a refusal raises inside contribute
 
         def contribute(i: int, mb: Any, count: int | torch.Tensor, c: torch.Tensor | float) -> Contribution:
             loss = check_loss(loss_fn(model, mb), i)
+            if judging:
+                reduction.judge(loss, count, i)
             if mean:
                 loss = unmean(loss, count, i)
             scale = scales.get(loss.dtype)
@@ -223,6 +235,7 @@ class Accumulator(EngineFace):
         assert isinstance(engine, PostScalingEngine)
         checked = ddp_forward_checked(model, self._sync_kind, contribute)
         counted, accumulated = engine.stream(window, checked, count_fn, length=length)
+        reduction.pending = False
         return engine.conclude(counted, accumulated)
 
     def _post_scale(self, c: torch.Tensor | float, loss: torch.Tensor) -> torch.Tensor:

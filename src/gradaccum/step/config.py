@@ -62,6 +62,13 @@ class AccumConfig:
     """``sum``: loss_fn returns the sum over counted units (exact, recommended). ``mean``: it returns
     the mean over exactly ``count_fn`` units; the step multiplies it back by that count. A mean over
     zero units is undefined, so ``mean`` refuses micro-batches whose count is zero."""
+    check_loss_reduction: bool = True
+    """With ``loss_reduction="sum"``, read the autograd graph of each loss of the first window and
+    refuse, with :class:`LossError` on every rank before any update, one that is a mean over its
+    units (``F.cross_entropy``'s default ``reduction="mean"``, ``.mean()``, ``sum() / count``),
+    which the step would otherwise divide by the count a second time. ``False`` declares a loss
+    that is not a sum over ``count_fn``'s units on purpose (a per-micro-batch loss, ``count_fn``
+    returning 1). Later windows are not read. See :mod:`gradaccum.step.reduction`."""
     defer_sync: bool = True
     """Synchronize gradients once per window (on the last micro-batch). Turn off to trade
     communication for memory, e.g. FSDP, whose deferred gradients stay unsharded."""
@@ -151,7 +158,14 @@ class AccumConfig:
                 f"PyTorch's update per forward; 'window': once per optimizer step over the window's "
                 f"rows), got {self.batchnorm_stats!r}"
             )
-        for name in ("defer_sync", "track_grad_norm", "skip_nonfinite", "agree_on_failure", "noise_scale"):
+        for name in (
+            "check_loss_reduction",
+            "defer_sync",
+            "track_grad_norm",
+            "skip_nonfinite",
+            "agree_on_failure",
+            "noise_scale",
+        ):
             _bool(name, getattr(self, name))
         require_int(
             "AccumConfig.max_consecutive_skips", self.max_consecutive_skips, error=ConfigError, none_ok=True

@@ -33,6 +33,7 @@ from gradaccum.step.checks import (
     unmean,
 )
 from gradaccum.step.config import StepResult
+from gradaccum.step.reduction import ReductionCheck
 from gradaccum.step.window import Accumulated, CastScale, CountFn, WindowCount
 
 if TYPE_CHECKING:
@@ -81,8 +82,13 @@ class PlainWindow:
         return not dist.is_distributed(self.engine.dp_group)
 
     def step(
-        self, window: Iterable[Any], loss_fn: Callable[[Any, Any], torch.Tensor], count_fn: CountFn
+        self,
+        window: Iterable[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        count_fn: CountFn,
+        reduction: ReductionCheck,
     ) -> StepResult:
+        """One plain window; ``reduction`` reads the first window's losses (step/reduction.py)."""
         engine = self.engine
         micro_batches, _ = engine.open(window)  # one process: a failure is raised, not returned
         check_not_empty(len(micro_batches))
@@ -107,6 +113,7 @@ class PlainWindow:
             self.observed,
         )
         seed = torch.autograd.backward
+        judging = reduction.pending
         losses: list[torch.Tensor] = []
         for i, mb in enumerate(micro_batches):
             if observed:
@@ -114,6 +121,8 @@ class PlainWindow:
             phase = "forward"
             try:
                 loss = check_loss(loss_fn(model, mb), i)
+                if judging:
+                    reduction.judge(loss, counts[i], i)
                 if mean:
                     loss = unmean(loss, counts[i], i)
                 losses.append(loss.detach())
@@ -132,5 +141,6 @@ class PlainWindow:
                 raise_alone(LocalFailure(exc, phase, i), recoverable=True)
             if observed:
                 emit("micro_end", i)
+        reduction.pending = False
         accumulated = Accumulated(None, engine.settler.zero, False, len(micro_batches), tuple(losses))
         return engine.conclude(counted, accumulated)
