@@ -1,0 +1,227 @@
+"""Exact accumulation across torchft replica groups that come and go: ``FaultTolerantAccumulator``.
+
+torchft (``pip install gradaccum[torchft]``) keeps a job training while replica groups die and
+return: a lighthouse forms a quorum of the live groups each step, a ``Manager`` all-reduces over
+that quorum, ``should_commit`` says whether the step's collectives all succeeded, and a group that
+returns heals from a live peer's state (sent over HTTP at the quorum, no disk). What torchft alone
+does with the data is lossy: each group trains on its own shard, so a step taken while a group is
+down averages fewer examples (its ``DistributedSampler`` says a down group's examples "will never
+be used"), and a step whose collective failed is simply dropped.
+
+This module keeps the *global* batch of every applied update whole. Each optimizer step ``s``:
+
+1. ``manager.start_quorum()``; the participants are the quorum's W groups, this one has rank r;
+2. the step's global batch ``global_batch(s)`` (the same rows on every group) is cut into W
+   contiguous shares, share r is cut into micro-batches of at most ``micro_batch`` rows;
+3. every micro-batch is counted before any forward and the W local counts are summed by one
+   small all-reduce over the quorum (``manager.allreduce``, ``SUM``): N, the global count;
+4. each micro-batch backpropagates its summed loss / N, so the group's gradient is its share's
+   part of ``grad(sum_t l_t) / N``; the gradients are summed (not averaged) over the quorum, which
+   gives exactly the full batch's ``grad(sum_t l_t) / N`` whatever W is;
+5. ``manager.should_commit()``: when every collective of the step succeeded, clip and step the
+   optimizer (and the schedule) once; when the quorum changed under the step (a group died during
+   it), the gradients are discarded and the *same* step is done again over the new quorum, with the
+   full global batch re-split among the survivors. An update is applied only over the whole batch.
+
+So the trajectory is that of one process taking the whole global batch each step, up to float
+regrouping (<= 1e-10 in float64 here), whatever groups come and go; a returning group heals from a
+peer (the model, optimizer and schedule states, registered with the Manager under ``"gradaccum"``)
+and goes on from the peer's step. Refused: a window over zero rows is not; a global batch with fewer
+rows than participants leaves some shares empty, which is exact too (those groups count 0).
+
+The Manager is the caller's (its process group, lighthouse, timeouts, ``min_replica_size``); build it
+without state-dict functions (``load_state_dict=None, state_dict=None``), as this class registers
+its own. One process per replica group (``torchrun --nproc_per_node 1`` per group, or any process
+with the Manager's store): the groups' own intra-group parallelism (DDP/FSDP inside a group) is not
+composed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed import ReduceOp
+
+from gradaccum.batch import Batch, batch_size, split, take
+from gradaccum.errors import ConfigError, SyncError
+from gradaccum.step.checks import as_count, check_loss
+from gradaccum.step.config import StepResult
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+__all__ = ["FaultTolerantAccumulator", "share_bounds"]
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+"""``loss_fn(model, micro_batch)``: the loss summed over the micro-batch's counted units."""
+CountFn = Callable[[Any], "int | torch.Tensor"]
+"""``count_fn(micro_batch)``: how many units ``loss_fn`` sums over."""
+GlobalBatch = Callable[[int], Batch]
+"""``global_batch(step)``: step ``step``'s whole global batch, the same rows on every group."""
+
+STATE_KEY = "gradaccum"
+"""The key this class registers its state-dict functions under in the Manager."""
+
+
+def share_bounds(rows: int, participants: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a ``rows``-row global batch that participant ``rank`` of
+    ``participants`` takes: contiguous shares whose sizes differ by at most one."""
+    if participants < 1 or not 0 <= rank < participants:
+        raise ConfigError(f"participant rank {rank} of {participants}: need 0 <= rank < participants >= 1")
+    return rank * rows // participants, (rank + 1) * rows // participants
+
+
+class FaultTolerantAccumulator:
+    """One exact optimizer step over the global batch, shared among a torchft quorum.
+
+    >>> manager = torchft.Manager(pg=ProcessGroupGloo(), load_state_dict=None, state_dict=None,
+    ...                           min_replica_size=1, use_async_quorum=False, ...)
+    >>> acc = FaultTolerantAccumulator(model, optimizer, manager, micro_batch=4)
+    >>> while acc.current_step < steps:
+    ...     result = acc.step(lambda s: batches[s], loss_fn, count_fn)
+
+    ``step`` returns once an update over the whole global batch is applied (or the window counted
+    zero units on every group and was skipped alike); a step the quorum changed under is done again,
+    at most ``max_attempts`` times in all, then a :class:`SyncError`. ``global_batch`` is a function
+    of the step index because a group that heals mid-run jumps to its peer's step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        manager: Manager,
+        *,
+        micro_batch: int,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        max_attempts: int = 10,
+    ) -> None:
+        if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+            raise ConfigError(f"micro_batch={micro_batch!r}: the rows per micro-batch must be an int >= 1")
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ConfigError(f"max_attempts={max_attempts!r}: the tries per step must be an int >= 1")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm={max_grad_norm!r}: clip to a positive norm, or None for no clipping")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ConfigError(
+                "model is wrapped in DistributedDataParallel: FaultTolerantAccumulator sums the gradients "
+                "over the replica groups itself (one process per group); pass the bare module"
+            )
+        self.model, self.optimizer, self.manager = model, optimizer, manager
+        self.micro_batch, self.scheduler = micro_batch, scheduler
+        self.max_grad_norm, self.max_attempts = max_grad_norm, max_attempts
+        self.participants = 0
+        """W of the last step applied (or skipped): the groups whose shares made its global batch."""
+        self.attempts = 0
+        """How many tries the last step took (1 when its quorum held)."""
+        manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
+
+    @property
+    def current_step(self) -> int:
+        """Updates committed so far, by the Manager's count (a healed group takes its peer's)."""
+        return int(self.manager.current_step())
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a healing peer receives: the model, optimizer and schedule states."""
+        state: dict[str, Any] = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a live peer's state (torchft calls this when this group heals)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def step(self, global_batch: GlobalBatch, loss_fn: LossFn, count_fn: CountFn) -> StepResult:
+        """Apply one update over ``global_batch(step)``, redoing the step while its quorum changes."""
+        for attempt in range(1, self.max_attempts + 1):
+            self.attempts = attempt
+            result = self._attempt(global_batch, loss_fn, count_fn)
+            if result is not None:
+                return result
+        raise SyncError(
+            f"step {self.current_step}: the quorum changed under each of max_attempts={self.max_attempts} "
+            "tries, so no update over the whole global batch was applied; check the replica groups' logs "
+            "and the lighthouse, or raise max_attempts"
+        )
+
+    def _attempt(self, global_batch: GlobalBatch, loss_fn: LossFn, count_fn: CountFn) -> StepResult | None:
+        """One try of the step; ``None`` when it must be done again over a new quorum."""
+        manager = self.manager
+        self.optimizer.zero_grad(set_to_none=True)
+        manager.start_quorum()
+        participants, rank = manager.num_participants(), manager.participating_rank()
+        step = self.current_step  # after the quorum: a healed group is at its peer's step
+        micro_batches = self._share(global_batch(step), participants, rank)
+        local = 0
+        for i, mb in enumerate(micro_batches):
+            local += int(as_count(count_fn(mb), i))  # one host read per micro-batch; ints are free
+        count = torch.tensor([float(local)], dtype=torch.float64)  # exact below 2**53 units
+        manager.allreduce(count, reduce_op=ReduceOp.SUM).wait()
+        total = int(round(count.item()))
+        loss_sum = torch.zeros(1, dtype=torch.float64)
+        if manager.errored() is None and total > 0:
+            for i, mb in enumerate(micro_batches):
+                loss = check_loss(loss_fn(self.model, mb), i)
+                (loss / total).backward()  # this share's part of grad(sum_t l_t) / N
+                loss_sum += loss.detach().to(torch.float64)
+            self._sum_gradients()
+            manager.allreduce(loss_sum, reduce_op=ReduceOp.SUM).wait()
+        if not manager.should_commit():  # a collective failed: the quorum changed under the step
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.participants = participants
+        if total == 0:
+            return StepResult(
+                loss=None, local_count=local, global_count=0, micro_batches=len(micro_batches),
+                grad_norm=None, applied=False, skip_reason="zero-count", step=self.current_step,
+            )  # fmt: skip
+        grad_norm = None
+        if self.max_grad_norm is not None:  # the same summed gradient on every group: the same clip
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return StepResult(
+            loss=float(loss_sum.item()) / total, local_count=local, global_count=total,
+            micro_batches=len(micro_batches), grad_norm=grad_norm, applied=True, step=self.current_step,
+        )  # fmt: skip
+
+    def _share(self, batch: Batch, participants: int, rank: int | None) -> list[Batch]:
+        """This group's micro-batches of the global batch (none when it does not participate)."""
+        rows = batch_size(batch)
+        if rows < 1:
+            raise ConfigError(f"global_batch returned a batch of {rows} rows at step {self.current_step}")
+        if rank is None or participants < 1:  # healing, or a spare: its share is empty
+            return []
+        start, stop = share_bounds(rows, participants, rank)
+        if stop == start:
+            return []
+        full, rest = divmod(stop - start, self.micro_batch)
+        return split(take(batch, start, stop), sizes=[self.micro_batch] * full + ([rest] if rest else []))
+
+    def _sum_gradients(self) -> None:
+        """Sum every parameter's gradient over the quorum: one all-reduce per gradient dtype."""
+        groups: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:  # unused on this share: it still takes part in the sum
+                    p.grad = torch.zeros_like(p)
+                groups.setdefault(p.grad.dtype, []).append(p)
+        for params in groups.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            offset = 0
+            for p in params:
+                if p.grad is not None:
+                    n = p.grad.numel()
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                    offset += n

@@ -1,0 +1,174 @@
+"""``FaultTolerantAccumulator`` for real: a torchft lighthouse and two replica groups on 127.0.0.1.
+
+Each group is its own process (tests/integrations/torchft_worker.py, torchft's environment
+``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID``), a float64 MLP with SGD + momentum, global batches
+of 12 rows with about a quarter masked out (so the groups' shares count unevenly), micro-batch 2.
+The reference is one process taking each whole global batch (summed loss / its count, one step).
+
+(a) both groups throughout: each step's shares are 6 + 6 rows, each group's gradient its share's
+    part of grad(sum l) / N, summed over the two. Tolerance 1e-10: the float64 sums are regrouped
+    (two shares and micro-batches of 2 rows instead of one batch of 12), each regrouping rounding by
+    a few ulps (~1e-16) per step; over 6 steps of momentum SGD on an O(1) model that stays ~1e-15.
+(b) group 1 is SIGKILLed after its step 3 and started again later with exactly its first command:
+    group 0 redoes the step the kill broke over the new quorum (the whole batch its own), trains
+    alone, and group 1 heals from it (no file read) and both finish together. Tolerance 1e-9: the
+    same regrouping over 24 steps, a ~1e-15 difference; 1e-9 is the bound the run must meet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations import torchft_worker as worker
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None,
+    reason="torchft is not installed (pip install gradaccum[torchft])",
+)
+
+WORKER = Path(worker.__file__).resolve()
+ROOT = WORKER.parents[2]
+DEADLINE_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lighthouse_binary() -> str:
+    here = Path(sys.executable).parent / "torchft_lighthouse"
+    return str(here) if here.exists() else "torchft_lighthouse"
+
+
+class Job:
+    """A lighthouse and its replica groups; every process it started is killed and reaped at exit."""
+
+    def __init__(self, tmp: Path, min_replicas: int) -> None:
+        self.tmp, self.procs = tmp, list[subprocess.Popen[str]]()
+        self.port = _free_port()
+        command = [
+            _lighthouse_binary(), "--bind", f"127.0.0.1:{self.port}", "--min_replicas", str(min_replicas),
+            "--join_timeout_ms", "1000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1000",
+        ]  # fmt: skip
+        self._start(command, tmp / "lighthouse.log", dict(os.environ))
+
+    def _start(self, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+        out = log.open("a")
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        out.close()
+        self.procs.append(proc)
+        return proc
+
+    def group(self, group: int, steps: int, pace_s: float = 0.0) -> subprocess.Popen[str]:
+        """Start replica group ``group``: the same command each time it is started."""
+        env = dict(os.environ)
+        src = str(ROOT / "src")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, str(ROOT), env.get("PYTHONPATH")) if p)
+        env |= {
+            "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}",
+            "REPLICA_GROUP_ID": str(group),
+            "NUM_REPLICA_GROUPS": "2",
+            "TORCHFT_TEST_PACE_S": str(pace_s),
+        }
+        command = [sys.executable, str(WORKER), str(self.tmp), str(steps)]
+        with self.log(group).open("a") as log:
+            log.write("start\n")  # where each start's lines begin
+        return self._start(command, self.log(group), env)
+
+    def log(self, group: int) -> Path:
+        return self.tmp / f"group{group}.log"
+
+    def lines(self, group: int) -> list[str]:
+        path = self.log(group)
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return [line for line in text.splitlines() if line.startswith(("start", "step ", "done"))]
+
+    def wait_for(self, group: int, pattern: str) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not any(re.fullmatch(pattern, line) for line in self.lines(group)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"group {group} never printed {pattern!r}:\n{self.log(group).read_text()[-3000:]}")
+            time.sleep(0.05)
+
+    def finish(self, proc: subprocess.Popen[str], group: int) -> int:
+        try:
+            return proc.wait(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"group {group} did not finish:\n{self.log(group).read_text()[-3000:]}") from None
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def job_factory(tmp_path: Path) -> Iterator[list[Job]]:
+    jobs: list[Job] = []
+    yield jobs
+    for job in jobs:
+        job.close()
+
+
+def _max_diff(path: Path, steps: int) -> float:
+    got = torch.load(path)
+    want = worker.reference(steps)
+    return max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+
+
+def _participants(lines: list[str]) -> list[int]:
+    return [int(line.split()[3]) for line in lines if line.startswith("step ")]
+
+
+@pytest.mark.timeout(240)
+def test_two_groups_take_the_whole_global_batch_exactly(tmp_path: Path, job_factory: list[Job]) -> None:
+    steps = 6
+    job = Job(tmp_path, min_replicas=2)
+    job_factory.append(job)
+    procs = [job.group(g, steps) for g in (0, 1)]
+    assert [job.finish(p, g) for g, p in enumerate(procs)] == [0, 0]
+    for g in (0, 1):
+        assert _participants(job.lines(g)) == [2] * steps  # both shares in every step
+        assert job.lines(g)[-1] == "done"
+        assert _max_diff(tmp_path / f"group{g}.pt", steps) <= 1e-10
+
+
+@pytest.mark.timeout(300)
+def test_a_group_killed_and_restarted_heals_from_its_peer_on_the_reference(
+    tmp_path: Path, job_factory: list[Job]
+) -> None:
+    steps, pace_s = 24, 0.25
+    job = Job(tmp_path, min_replicas=1)
+    job_factory.append(job)
+    first = job.group(0, steps, pace_s)
+    victim = job.group(1, steps, pace_s)
+    job.wait_for(1, r"step 3 participants 2 .*")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    job.wait_for(0, r"step \d+ participants 1 .*")  # the survivor goes on alone, on the whole batch
+    returned = job.group(1, steps, pace_s)  # exactly its first command
+    assert job.finish(first, 0) == 0 and job.finish(returned, 1) == 0
+    survivor, back = job.lines(0), job.lines(1)
+    assert survivor[-1] == "done" and back[-1] == "done"
+    alone = _participants(survivor)
+    assert 1 in alone and alone[-1] == 2  # alone after the kill, together again at the end
+    restarted = back[len(back) - back[::-1].index("start") :]
+    first_back = int(restarted[0].split()[1])  # the restarted run's first step
+    assert first_back > 4  # it healed from the peer's step, not from step 0 or from disk
+    assert _max_diff(tmp_path / "group0.pt", steps) <= 1e-9
+    assert _max_diff(tmp_path / "group1.pt", steps) <= 1e-9
