@@ -4,8 +4,10 @@ It reads torchft's environment (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``), s
 store on 127.0.0.1, builds a float64 model and a ``FaultTolerantAccumulator`` over a Manager, and
 steps ``STEPS`` global batches of 12 rows (uneven counts: rows masked out), printing one line per
 step (``step S participants W attempts A``) and saving its final parameters to ``OUT/group<G>.pt``.
-``TORCHFT_TEST_PACE_S`` sleeps after each step so that a test can kill and restart a group while the
-other is still training. The model, data, loss and the one-process reference live here too.
+A test steers the timing (never the arithmetic) by a file ``OUT/control-group<G>``: ``stall S`` makes
+the group hang in its first forward of step S (its count already all-reduced), where the test kills it;
+``hold S`` makes it wait after step S while the file exists, so that a restarted peer can join before
+it finishes. The model, data, loss and the one-process reference live here too.
 """
 
 from __future__ import annotations
@@ -63,6 +65,15 @@ def reference(steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _order(control: Path, verb: str) -> int | None:
+    """The step of a ``verb S`` line in the control file, or ``None``."""
+    try:
+        words = control.read_text().split()
+    except FileNotFoundError:
+        return None
+    return int(words[1]) if len(words) == 2 and words[0] == verb else None
+
+
 def main(out: Path, steps: int) -> None:
     from torch.distributed import TCPStore
     from torchft import Manager
@@ -71,7 +82,7 @@ def main(out: Path, steps: int) -> None:
     from gradaccum.integrations.torchft import FaultTolerantAccumulator
 
     group = int(os.environ["REPLICA_GROUP_ID"])
-    pace = float(os.environ.get("TORCHFT_TEST_PACE_S", "0"))
+    control = out / f"control-group{group}"
     timeout = timedelta(seconds=10)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
@@ -90,14 +101,24 @@ def main(out: Path, steps: int) -> None:
         quorum_timeout=timedelta(seconds=30),
         connect_timeout=timeout,
     )
+    print("TORCHFT READY", flush=True)  # the Manager is up and heartbeating to the lighthouse
     model, optimizer = build()
     acc = FaultTolerantAccumulator(model, optimizer, manager, micro_batch=MICRO_BATCH)
+
+    def steered_loss(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        if _order(control, "stall") == acc.current_step + 1:
+            print(f"stalled in step {acc.current_step + 1}", flush=True)
+            time.sleep(120)  # killed here
+        return loss_fn(model, mb)
+
     try:
         while acc.current_step < steps:
-            result = acc.step(global_batch, loss_fn, count_fn)
+            result = acc.step(global_batch, steered_loss, count_fn)
             line = f"step {result.step} participants {acc.participants} attempts {acc.attempts}"
             print(f"{line} count {result.local_count}/{result.global_count}", flush=True)
-            time.sleep(pace)
+            deadline = time.monotonic() + 60
+            while _order(control, "hold") == result.step and time.monotonic() < deadline:
+                time.sleep(0.05)
     finally:
         manager.shutdown(wait=False)
     torch.save([p.detach() for p in model.parameters()], out / f"group{group}.pt")
