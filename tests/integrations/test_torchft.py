@@ -96,13 +96,16 @@ class Job:
     def lines(self, group: int) -> list[str]:
         path = self.log(group)
         text = path.read_text(errors="replace") if path.exists() else ""
-        return [line for line in text.splitlines() if line.startswith(("start", "step ", "stalled", "done", "TORCHFT READY"))]
+        marks = ("start", "step ", "stalled", "done", "TORCHFT READY")
+        return [line for line in text.splitlines() if line.startswith(marks)]
 
     def wait_for(self, group: int, pattern: str) -> None:
         deadline = time.monotonic() + DEADLINE_S
         while not any(re.fullmatch(pattern, line) for line in self.lines(group)):
             if time.monotonic() > deadline:
-                raise AssertionError(f"group {group} never printed {pattern!r}:\n{self.log(group).read_text()[-3000:]}")
+                raise AssertionError(
+                    f"group {group} never printed {pattern!r}:\n{self.log(group).read_text()[-3000:]}"
+                )
             time.sleep(0.05)
 
     def wait_for_text(self, group: int, text: str) -> None:
@@ -117,7 +120,9 @@ class Job:
         try:
             return proc.wait(timeout=DEADLINE_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"group {group} did not finish:\n{self.log(group).read_text()[-3000:]}") from None
+            raise AssertionError(
+                f"group {group} did not finish:\n{self.log(group).read_text()[-3000:]}"
+            ) from None
 
     def close(self) -> None:
         for proc in self.procs:

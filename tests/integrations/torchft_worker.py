@@ -17,7 +17,6 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn

@@ -105,7 +105,9 @@ class FaultTolerantAccumulator:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ConfigError(f"max_attempts={max_attempts!r}: the tries per step must be an int >= 1")
         if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm={max_grad_norm!r}: clip to a positive norm, or None for no clipping")
+            raise ConfigError(
+                f"max_grad_norm={max_grad_norm!r}: clip to a positive norm, or None for no clipping"
+            )
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise ConfigError(
                 "model is wrapped in DistributedDataParallel: FaultTolerantAccumulator sums the gradients "
@@ -165,7 +167,7 @@ class FaultTolerantAccumulator:
             local += int(as_count(count_fn(mb), i))  # one host read per micro-batch; ints are free
         count = torch.tensor([float(local)], dtype=torch.float64)  # exact below 2**53 units
         manager.allreduce(count, reduce_op=ReduceOp.SUM).wait()
-        total = int(round(count.item()))
+        total = round(count.item())
         loss_sum = torch.zeros(1, dtype=torch.float64)
         if manager.errored() is None and total > 0:
             for i, mb in enumerate(micro_batches):
