@@ -10,6 +10,7 @@ Tolerances: float64 sums regrouped over shares and micro-batches, a few ulps (1e
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ def test_shares_cover_the_global_batch_once() -> None:
         for participants in (1, 2, 3, 7):
             bounds = [share_bounds(rows, participants, r) for r in range(participants)]
             assert bounds[0][0] == 0 and bounds[-1][1] == rows
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     with pytest.raises(ConfigError, match="participant rank 2 of 2"):
         share_bounds(12, 2, 2)
 
