@@ -140,9 +140,12 @@ def job_factory(tmp_path: Path) -> Iterator[list[Job]]:
 
 
 def _max_diff(path: Path, steps: int) -> float:
+    """Max abs parameter difference from the one-process reference (printed: ``pytest -s``)."""
     got = torch.load(path)
     want = worker.reference(steps)
-    return max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+    diff = max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+    print(f"{path.stem} after {steps} steps: max |param - reference| = {diff:.1e}")
+    return diff
 
 
 def _participants(lines: list[str]) -> list[int]:
