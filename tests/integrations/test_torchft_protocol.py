@@ -49,6 +49,11 @@ class ScriptedManager:
     def participating_rank(self) -> int:
         return 0
 
+    def is_participating(self) -> bool:
+        return not self.healing_during_step
+
+    healing_during_step = False
+
     def current_step(self) -> int:
         return self.step
 
@@ -110,6 +115,31 @@ def test_a_step_that_never_commits_ends_in_a_sync_error() -> None:
     with pytest.raises(SyncError, match="max_attempts=3"):
         acc.step(worker.global_batch, worker.loss_fn, worker.count_fn)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_non_finite_loss_skips_the_update_and_uses_up_the_step() -> None:
+    model, optimizer = worker.build()
+    manager = ScriptedManager(participants=1, commits=[])
+    acc = FaultTolerantAccumulator(model, optimizer, manager, micro_batch=4)  # type: ignore[arg-type]
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def nan_loss(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return worker.loss_fn(model, mb) * float("nan")
+
+    result = acc.step(worker.global_batch, nan_loss, worker.count_fn)
+    assert not result.applied and result.skip_reason is not None and "non-finite" in result.skip_reason
+    assert result.step == 1 and acc.current_step == 1  # torchft committed it: the next batch is step 1's
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_manager_that_heals_during_the_step_is_refused() -> None:
+    model, optimizer = worker.build()
+    manager = ScriptedManager(participants=2, commits=[])
+    manager.healing_during_step = True  # torchft's use_async_quorum=True, while this group heals
+    acc = FaultTolerantAccumulator(model, optimizer, manager, micro_batch=4)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="use_async_quorum=False"):
+        acc.step(worker.global_batch, worker.loss_fn, worker.count_fn)
 
 
 def test_shares_cover_the_global_batch_once() -> None:

@@ -38,6 +38,7 @@ composed here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ from gradaccum.batch import Batch, batch_size, split, take
 from gradaccum.errors import ConfigError, SyncError
 from gradaccum.step.checks import as_count, check_loss
 from gradaccum.step.config import StepResult
+from gradaccum.step.window import ZERO_COUNT
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -83,8 +85,9 @@ class FaultTolerantAccumulator:
     >>> while acc.current_step < steps:
     ...     result = acc.step(lambda s: batches[s], loss_fn, count_fn)
 
-    ``step`` returns once an update over the whole global batch is applied (or the window counted
-    zero units on every group and was skipped alike); a step the quorum changed under is done again,
+    ``step`` returns once an update over the whole global batch is applied, or skipped alike on every
+    group (the global batch counted zero units, or its summed loss or gradient is not finite: every
+    group holds the same sums, so no collective decides it); a step the quorum changed under is done again,
     at most ``max_attempts`` times in all, then a :class:`SyncError`. ``global_batch`` is a function
     of the step index because a group that heals mid-run jumps to its peer's step.
     """
@@ -160,6 +163,14 @@ class FaultTolerantAccumulator:
         self.optimizer.zero_grad(set_to_none=True)
         manager.start_quorum()
         participants, rank = manager.num_participants(), manager.participating_rank()
+        if rank is not None and not manager.is_participating():
+            # async quorum: a healing group counts in W but its sums are zeroed, so a share is lost
+            raise ConfigError(
+                "the torchft Manager heals this replica group during the step (use_async_quorum=True): "
+                "the quorum counts it among the participants while torchft zeroes its part of every "
+                "sum, so its share of the global batch would be lost. Build the Manager with "
+                "use_async_quorum=False (the group then heals before the forward and takes its share)"
+            )
         step = self.current_step  # after the quorum: a healed group is at its peer's step
         micro_batches = self._share(global_batch(step), participants, rank)
         local = 0
@@ -169,21 +180,31 @@ class FaultTolerantAccumulator:
         manager.allreduce(count, reduce_op=ReduceOp.SUM).wait()
         total = round(count.item())
         loss_sum = torch.zeros(1, dtype=torch.float64)
+        finite = True
         if manager.errored() is None and total > 0:
             for i, mb in enumerate(micro_batches):
                 loss = check_loss(loss_fn(self.model, mb), i)
                 (loss / total).backward()  # this share's part of grad(sum_t l_t) / N
                 loss_sum += loss.detach().to(torch.float64)
-            self._sum_gradients()
+            finite = self._sum_gradients()
             manager.allreduce(loss_sum, reduce_op=ReduceOp.SUM).wait()
         if not manager.should_commit():  # a collective failed: the quorum changed under the step
             self.optimizer.zero_grad(set_to_none=True)
             return None
         self.participants = participants
-        if total == 0:
+        mean = float(loss_sum.item()) / total if total else None
+        # every group holds the same sums, so every group decides a skip alike, with no collective
+        reason = None
+        if mean is None:
+            reason = ZERO_COUNT
+        elif not (finite and math.isfinite(mean)):
+            reason = f"non-finite loss or gradient (loss {mean}) summed over the quorum"
+        if reason is not None:  # the step's index is used up all the same (torchft committed it)
+            self.optimizer.zero_grad(set_to_none=True)
             return StepResult(
-                loss=None, local_count=local, global_count=0, micro_batches=len(micro_batches),
-                grad_norm=None, applied=False, skip_reason="zero-count", step=self.current_step,
+                loss=mean, local_count=local, global_count=total,
+                micro_batches=len(micro_batches), grad_norm=None, applied=False, skip_reason=reason,
+                step=self.current_step,
             )  # fmt: skip
         grad_norm = None
         if self.max_grad_norm is not None:  # the same summed gradient on every group: the same clip
@@ -193,7 +214,7 @@ class FaultTolerantAccumulator:
         if self.scheduler is not None:
             self.scheduler.step()
         return StepResult(
-            loss=float(loss_sum.item()) / total, local_count=local, global_count=total,
+            loss=mean, local_count=local, global_count=total,
             micro_batches=len(micro_batches), grad_norm=grad_norm, applied=True, step=self.current_step,
         )  # fmt: skip
 
@@ -210,8 +231,10 @@ class FaultTolerantAccumulator:
         full, rest = divmod(stop - start, self.micro_batch)
         return split(take(batch, start, stop), sizes=[self.micro_batch] * full + ([rest] if rest else []))
 
-    def _sum_gradients(self) -> None:
-        """Sum every parameter's gradient over the quorum: one all-reduce per gradient dtype."""
+    def _sum_gradients(self) -> bool:
+        """Sum every parameter's gradient over the quorum (one all-reduce per gradient dtype);
+        whether the sums are all finite (the same answer on every group)."""
+        finite = True
         groups: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in self.model.parameters():
             if p.requires_grad:
@@ -221,9 +244,11 @@ class FaultTolerantAccumulator:
         for params in groups.values():
             flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
             self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            finite = finite and bool(torch.isfinite(flat).all())
             offset = 0
             for p in params:
                 if p.grad is not None:
                     n = p.grad.numel()
                     p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                     offset += n
+        return finite
