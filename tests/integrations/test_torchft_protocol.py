@@ -70,41 +70,82 @@ class ScriptedManager:
         return ok
 
 
-def _peer_sums(step: int, participants: int) -> list[torch.Tensor]:
-    """What groups 1..W-1 add to group 0's count, gradient and loss sums at ``step``."""
+def _peer_sums(step: int, participants: int, *, holding: bool) -> list[torch.Tensor]:
+    """What groups 1..W-1 add to group 0's sums at ``step``: the rows they hold (``holding``: their
+    shares, from a try that broke) and their count, then their gradient and loss sums."""
     model, _ = worker.build()
     batch = worker.global_batch(step)
     rows = worker.GLOBAL_BATCH
     parts = [share_bounds(rows, participants, r) for r in range(1, participants)]
     count = sum(int(batch["mask"][a:b].sum()) for a, b in parts)
-    total = count + int(batch["mask"][slice(*share_bounds(rows, participants, 0))].sum())
+    total = worker.count_fn(batch)
     loss = sum(worker.loss_fn(model, {k: v[a:b] for k, v in batch.items()}) for a, b in parts)
     assert isinstance(loss, torch.Tensor)
     (loss / total).backward()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-    return [torch.tensor([float(count)], dtype=torch.float64), grads, loss.detach().reshape(1)]
+    cover = torch.zeros(rows + 1, dtype=torch.float64)
+    if holding:
+        for a, b in parts:
+            cover[a:b] = 1.0
+        cover[rows] = float(count)
+    return [cover, grads, loss.detach().reshape(1)]
+
+
+def _counting(calls: list[int]) -> Any:
+    def loss_fn(model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        calls.append(len(mb["x"]))
+        return worker.loss_fn(model, mb)
+
+    return loss_fn
 
 
 def test_a_step_whose_commit_failed_is_redone_on_the_same_rows_and_applied_once() -> None:
     model, optimizer = worker.build()
     manager = ScriptedManager(participants=3, commits=[False, True])
-    manager.peers = [_peer_sums(0, 3), _peer_sums(0, 3)]
+    # try 1: nobody holds anything; try 2: the others kept their shares, so this group keeps its own
+    manager.peers = [_peer_sums(0, 3, holding=False), _peer_sums(0, 3, holding=True)]
     acc = FaultTolerantAccumulator(model, optimizer, manager, micro_batch=2)  # type: ignore[arg-type]
     asked: list[int] = []
+    calls: list[int] = []
 
     def batch(step: int) -> dict[str, torch.Tensor]:
         asked.append(step)
         return worker.global_batch(step)
 
-    result = acc.step(batch, worker.loss_fn, worker.count_fn)
-    assert asked == [0, 0] and acc.attempts == 2 and manager.quorums == 2  # redone on step 0's rows
+    result = acc.step(batch, _counting(calls), worker.count_fn)
+    assert asked == [0, 0] and acc.attempts == 2 and manager.quorums == 2  # tried again on step 0
+    assert calls == [2, 2]  # rows 0-3 in two micro-batches in try 1; nothing left to do in try 2
     assert result.applied and result.step == 1 and acc.participants == 3
-    assert result.local_count == int(worker.global_batch(0)["mask"][:4].sum())
+    assert result.local_count == int(worker.global_batch(0)["mask"][:4].sum()) and result.micro_batches == 0
     assert result.global_count == worker.count_fn(worker.global_batch(0))
-    want = worker.reference(1)  # one update, not two: the failed try's gradients were discarded
+    want = worker.reference(1)  # one update, not two: the broken try's sums were not applied
     got = [p.detach() for p in model.parameters()]
     assert max(float((p - w).abs().max()) for p, w in zip(got, want, strict=True)) <= 1e-12
     assert "gradaccum" in manager.fns  # what a healing peer is sent
+
+
+def test_the_rows_of_a_lost_group_are_recomputed_by_the_survivor_and_its_own_kept() -> None:
+    model, optimizer = worker.build()
+    manager = ScriptedManager(participants=2, commits=[False, True])
+    # try 1: two groups, rows 0-5 here; the other dies; try 2: this group alone, holding rows 0-5
+    manager.peers = [_peer_sums(0, 2, holding=False), []]
+    acc = FaultTolerantAccumulator(model, optimizer, manager, micro_batch=2)  # type: ignore[arg-type]
+    calls: list[int] = []
+    real_start = manager.start_quorum
+
+    def start_quorum() -> None:
+        real_start()
+        if manager.quorums == 2:
+            manager.participants = 1
+
+    manager.start_quorum = start_quorum  # type: ignore[method-assign]
+    result = acc.step(worker.global_batch, _counting(calls), worker.count_fn)
+    assert calls == [2, 2, 2, 2, 2, 2]  # rows 0-5 in try 1, then only the lost rows 6-11 in try 2
+    assert result.applied and acc.attempts == 2 and acc.participants == 1 and result.micro_batches == 3
+    assert result.local_count == result.global_count == worker.count_fn(worker.global_batch(0))
+    got = [p.detach() for p in model.parameters()]
+    want = worker.reference(1)
+    assert max(float((p - w).abs().max()) for p, w in zip(got, want, strict=True)) <= 1e-12
 
 
 def test_a_step_that_never_commits_ends_in_a_sync_error() -> None:

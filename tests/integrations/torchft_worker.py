@@ -114,7 +114,8 @@ def main(out: Path, steps: int) -> None:
         while acc.current_step < steps:
             result = acc.step(global_batch, steered_loss, count_fn)
             line = f"step {result.step} participants {acc.participants} attempts {acc.attempts}"
-            print(f"{line} count {result.local_count}/{result.global_count}", flush=True)
+            counts = f"count {result.local_count}/{result.global_count} micro-batches {result.micro_batches}"
+            print(f"{line} {counts}", flush=True)
             deadline = time.monotonic() + 60
             while _order(control, "hold") == result.step and time.monotonic() < deadline:
                 time.sleep(0.05)

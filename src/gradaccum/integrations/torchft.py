@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from torch.distributed import ReduceOp
 
-from gradaccum.batch import Batch, batch_size, split, take
+from gradaccum.batch import Batch, batch_size, select, split, take
 from gradaccum.errors import ConfigError, SyncError
 from gradaccum.step.checks import as_count, check_loss
 from gradaccum.step.config import StepResult
@@ -123,6 +124,7 @@ class FaultTolerantAccumulator:
         """W of the last step applied (or skipped): the groups whose shares made its global batch."""
         self.attempts = 0
         """How many tries the last step took (1 when its quorum held)."""
+        self._held: _Held | None = None
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
 
     @property
@@ -157,10 +159,14 @@ class FaultTolerantAccumulator:
             "and the lighthouse, or raise max_attempts"
         )
 
-    def _attempt(self, global_batch: GlobalBatch, loss_fn: LossFn, count_fn: CountFn) -> StepResult | None:
-        """One try of the step; ``None`` when it must be done again over a new quorum."""
-        manager = self.manager
+    def _drop(self) -> None:
+        """Forget what this group holds of a step: its gradients and its rows."""
         self.optimizer.zero_grad(set_to_none=True)
+        self._held = None
+
+    def _attempt(self, global_batch: GlobalBatch, loss_fn: LossFn, count_fn: CountFn) -> StepResult | None:
+        """One try of the step; ``None`` when it must be tried again over a new quorum."""
+        manager = self.manager
         manager.start_quorum()
         participants, rank = manager.num_participants(), manager.participating_rank()
         if rank is not None and not manager.is_participating():
@@ -172,26 +178,52 @@ class FaultTolerantAccumulator:
                 "use_async_quorum=False (the group then heals before the forward and takes its share)"
             )
         step = self.current_step  # after the quorum: a healed group is at its peer's step
-        micro_batches = self._share(global_batch(step), participants, rank)
-        local = 0
-        for i, mb in enumerate(micro_batches):
-            local += int(as_count(count_fn(mb), i))  # one host read per micro-batch; ints are free
-        count = torch.tensor([float(local)], dtype=torch.float64)  # exact below 2**53 units
-        manager.allreduce(count, reduce_op=ReduceOp.SUM).wait()
-        total = round(count.item())
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        finite = True
-        if manager.errored() is None and total > 0:
+        batch = global_batch(step)
+        rows = batch_size(batch)
+        if rows < 1:
+            raise ConfigError(f"global_batch returned a batch of {rows} rows at step {step}")
+        held = self._held
+        if held is None or held.step != step or held.rows.numel() != rows:
+            self._drop()  # a new step, or one this group no longer takes (it healed): start afresh
+            held = _Held(step, torch.zeros(rows, dtype=torch.bool))
+        # the one small collective before any forward: which rows each group already holds, and
+        # their count (zeros from a group that joined, healed or broke nothing)
+        cover = torch.zeros(rows + 1, dtype=torch.float64)
+        cover[:rows], cover[rows] = held.rows.to(torch.float64), float(held.count)
+        manager.allreduce(cover, reduce_op=ReduceOp.SUM).wait()
+        if manager.errored() is not None:  # the sums may be garbage: this try is over
+            manager.should_commit()  # false here: the group's error is in it
+            return None
+        covered, held_total = cover[:rows], round(cover[rows].item())
+        if bool((covered > 1).any()):  # the same on every group
+            self._drop()  # holdings that overlap cannot be summed: everyone starts the step afresh
+            held = _Held(step, torch.zeros(rows, dtype=torch.bool))
+            covered, held_total = torch.zeros(rows, dtype=torch.float64), 0
+        free = torch.nonzero(covered == 0).flatten()  # rows no one holds, in order
+        mine = self._rows_of(free, participants, rank)
+        micro_batches = self._micro_batches(batch, mine)
+        # N = the held rows' count + every free row's count: each group counts the free rows itself
+        # (it holds the whole global batch), so N is the same everywhere with no second collective
+        total = held_total + self._count(self._micro_batches(batch, free), count_fn)
+        local = self._count(micro_batches, count_fn)
+        finite, flats = True, list[torch.Tensor]()
+        loss_sum = held.loss.clone()
+        if total > 0:
             for i, mb in enumerate(micro_batches):
                 loss = check_loss(loss_fn(self.model, mb), i)
-                (loss / total).backward()  # this share's part of grad(sum_t l_t) / N
+                (loss / total).backward()  # adds this share's part of grad(sum_t l_t) / N to p.grad
                 loss_sum += loss.detach().to(torch.float64)
-            finite = self._sum_gradients()
+            self._held = _Held(
+                step, held.rows.index_fill(0, mine, True), held.count + local, loss_sum.clone()
+            )
+            finite, flats = self._sum_gradients()
             manager.allreduce(loss_sum, reduce_op=ReduceOp.SUM).wait()
         if not manager.should_commit():  # a collective failed: the quorum changed under the step
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
+            return None  # p.grad still holds this group's rows alone (the sums went to copies)
         self.participants = participants
+        self._install(flats)
+        local = self._held.count if self._held is not None and self._held.step == step else local
+        self._held = None
         mean = float(loss_sum.item()) / total if total else None
         # every group holds the same sums, so every group decides a skip alike, with no collective
         reason = None
@@ -200,11 +232,10 @@ class FaultTolerantAccumulator:
         elif not (finite and math.isfinite(mean)):
             reason = f"non-finite loss or gradient (loss {mean}) summed over the quorum"
         if reason is not None:  # the step's index is used up all the same (torchft committed it)
-            self.optimizer.zero_grad(set_to_none=True)
+            self._drop()
             return StepResult(
-                loss=mean, local_count=local, global_count=total,
-                micro_batches=len(micro_batches), grad_norm=None, applied=False, skip_reason=reason,
-                step=self.current_step,
+                loss=mean, local_count=local, global_count=total, micro_batches=len(micro_batches),
+                grad_norm=None, applied=False, skip_reason=reason, step=self.current_step,
             )  # fmt: skip
         grad_norm = None
         if self.max_grad_norm is not None:  # the same summed gradient on every group: the same clip
@@ -213,42 +244,76 @@ class FaultTolerantAccumulator:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        self._drop()
         return StepResult(
-            loss=mean, local_count=local, global_count=total,
-            micro_batches=len(micro_batches), grad_norm=grad_norm, applied=True, step=self.current_step,
+            loss=mean, local_count=local, global_count=total, micro_batches=len(micro_batches),
+            grad_norm=grad_norm, applied=True, step=self.current_step,
         )  # fmt: skip
 
-    def _share(self, batch: Batch, participants: int, rank: int | None) -> list[Batch]:
-        """This group's micro-batches of the global batch (none when it does not participate)."""
-        rows = batch_size(batch)
-        if rows < 1:
-            raise ConfigError(f"global_batch returned a batch of {rows} rows at step {self.current_step}")
-        if rank is None or participants < 1:  # healing, or a spare: its share is empty
-            return []
-        start, stop = share_bounds(rows, participants, rank)
-        if stop == start:
-            return []
-        full, rest = divmod(stop - start, self.micro_batch)
-        return split(take(batch, start, stop), sizes=[self.micro_batch] * full + ([rest] if rest else []))
+    @staticmethod
+    def _rows_of(free: torch.Tensor, participants: int, rank: int | None) -> torch.Tensor:
+        """This group's part of the rows no one holds (none when it does not participate)."""
+        if rank is None or participants < 1:  # a spare: its share is empty
+            return free[:0]
+        start, stop = share_bounds(free.numel(), participants, rank)
+        return free[start:stop]
 
-    def _sum_gradients(self) -> bool:
-        """Sum every parameter's gradient over the quorum (one all-reduce per gradient dtype);
-        whether the sums are all finite (the same answer on every group)."""
-        finite = True
-        groups: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self.model.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused on this share: it still takes part in the sum
-                    p.grad = torch.zeros_like(p)
-                groups.setdefault(p.grad.dtype, []).append(p)
-        for params in groups.values():
+    def _micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[Batch]:
+        """``rows`` of the global batch cut into micro-batches of at most ``micro_batch`` rows."""
+        if rows.numel() == 0:
+            return []
+        full, rest = divmod(rows.numel(), self.micro_batch)
+        sizes = [self.micro_batch] * full + ([rest] if rest else [])
+        contiguous = bool((rows[1:] - rows[:-1] == 1).all())
+        first = int(rows[0])
+        part = take(batch, first, first + rows.numel()) if contiguous else select(batch, rows)
+        return split(part, sizes=sizes)
+
+    @staticmethod
+    def _count(micro_batches: list[Batch], count_fn: CountFn) -> int:
+        # one host read per micro-batch; ints are free
+        return sum(int(as_count(count_fn(mb), i)) for i, mb in enumerate(micro_batches))
+
+    def _sum_gradients(self) -> tuple[bool, list[torch.Tensor]]:
+        """Sum every parameter's gradient over the quorum into flat copies (one all-reduce per
+        gradient dtype), leaving ``p.grad`` as it is until the step commits; whether the sums are
+        all finite (the same answer on every group)."""
+        finite, flats = True, []
+        for params in self._by_dtype():
             flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
             self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
             finite = finite and bool(torch.isfinite(flat).all())
+            flats.append(flat)
+        return finite, flats
+
+    def _install(self, flats: list[torch.Tensor]) -> None:
+        """Copy the committed sums into ``p.grad``."""
+        for params, flat in zip(self._by_dtype(), flats, strict=False):
             offset = 0
             for p in params:
                 if p.grad is not None:
                     n = p.grad.numel()
                     p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                     offset += n
-        return finite
+
+    def _by_dtype(self) -> list[list[nn.Parameter]]:
+        """The trainable parameters grouped by gradient dtype, each with a gradient (zeros for one
+        this share did not use: it still takes part in the sum)."""
+        groups: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                groups.setdefault(p.grad.dtype, []).append(p)
+        return list(groups.values())
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """What one group holds of a step between tries: the rows its ``p.grad`` covers, their count
+    and their summed loss."""
+
+    step: int
+    rows: torch.Tensor
+    count: int = 0
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
