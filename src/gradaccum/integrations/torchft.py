@@ -8,26 +8,31 @@ does with the data is lossy: each group trains on its own shard, so a step taken
 down averages fewer examples (its ``DistributedSampler`` says a down group's examples "will never
 be used"), and a step whose collective failed is simply dropped.
 
-This module keeps the *global* batch of every applied update whole. Each optimizer step ``s``:
+This module keeps the *global* batch of every applied update whole. Each try of optimizer step s:
 
 1. ``manager.start_quorum()``; the participants are the quorum's W groups, this one has rank r;
-2. the step's global batch ``global_batch(s)`` (the same rows on every group) is cut into W
-   contiguous shares, share r is cut into micro-batches of at most ``micro_batch`` rows;
-3. every micro-batch is counted before any forward and the W local counts are summed by one
-   small all-reduce over the quorum (``manager.allreduce``, ``SUM``): N, the global count;
-4. each micro-batch backpropagates its summed loss / N, so the group's gradient is its share's
-   part of ``grad(sum_t l_t) / N``; the gradients are summed (not averaged) over the quorum, which
-   gives exactly the full batch's ``grad(sum_t l_t) / N`` whatever W is;
-5. ``manager.should_commit()``: when every collective of the step succeeded, clip and step the
-   optimizer (and the schedule) once; when the quorum changed under the step (a group died during
-   it), the gradients are discarded and the *same* step is done again over the new quorum, with the
-   full global batch re-split among the survivors. An update is applied only over the whole batch.
+2. one small all-reduce (``SUM``, rows + 1 float64 values) of the rows of ``global_batch(s)`` (the
+   same rows on every group) that each group already holds from a broken try of s, and their
+   count: all zeros on a step's first try;
+3. the rows no one holds are cut into W contiguous shares, share r into micro-batches of at most
+   ``micro_batch`` rows; N, the whole batch's count, is the held rows' count plus every free row's
+   count, which each group counts itself (it has the whole batch), so N is the same everywhere;
+4. each micro-batch backpropagates its summed loss / N into ``p.grad``, which then holds this
+   group's rows' part of ``grad(sum_t l_t) / N``; the gradients are summed (not averaged: torchft's
+   default ``AVG`` would divide by W again) over the quorum into flat copies, so that ``p.grad``
+   keeps this group's part alone until the commit;
+5. ``manager.should_commit()``: when every collective of the try succeeded, the sums go into
+   ``p.grad``, then clip and step the optimizer (and the schedule) once. When the quorum changed
+   under the try (a group died during it), nothing is applied and s is tried again over the new
+   quorum: the survivors keep what they accumulated (step 2 tells everyone which rows those are)
+   and only the lost group's rows are re-split among the new quorum. A group that healed, or
+   holdings that overlap, start the step afresh. An update is applied only over the whole batch.
 
 So the trajectory is that of one process taking the whole global batch each step, up to float
 regrouping (<= 1e-10 in float64 here), whatever groups come and go; a returning group heals from a
 peer (the model, optimizer and schedule states, registered with the Manager under ``"gradaccum"``)
-and goes on from the peer's step. Refused: a window over zero rows is not; a global batch with fewer
-rows than participants leaves some shares empty, which is exact too (those groups count 0).
+and goes on from the peer's step. A global batch with fewer rows than participants leaves some
+shares empty, which is exact too (those groups count 0).
 
 The Manager is the caller's (its process group, lighthouse, timeouts, ``min_replica_size``); build it
 without state-dict functions (``load_state_dict=None, state_dict=None``), as this class registers
