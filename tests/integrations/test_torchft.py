@@ -12,9 +12,10 @@ The reference is one process taking each whole global batch (summed loss / its c
     Tolerance 1e-10: the float64 sums are regrouped (two shares and micro-batches of 2 rows instead
     of one batch of 12), each regrouping rounding by a few ulps (~1e-16) per step; over 6 steps of
     momentum SGD on an O(1) model that stays ~1e-15.
-(b) group 1 is SIGKILLed in the middle of step 4 (its count all-reduced, its gradient not) and
-    started again later with exactly its first command: group 0's gradient sum fails, so it redoes
-    step 4 over the new quorum (the whole batch its own), trains alone, and group 1 heals from it
+(b) group 1 is SIGKILLed in the middle of step 4 (its first collective done, its gradient sum not)
+    and started again later with exactly its first command: group 0's gradient sum fails, so it tries
+    step 4 again over the new quorum, keeping its own rows 0-5 and computing only the lost rows
+    6-11 (3 micro-batches, not 6), trains alone, and group 1 heals from it
     (no file read) and both finish together. Tolerance 1e-9: the same regrouping over 12 steps, a
     ~1e-15 difference; 1e-9 is the bound the run must meet. The test steers only the timing (where
     the victim hangs, when the survivor waits) through a control file the worker reads.
@@ -209,7 +210,7 @@ def test_a_group_killed_mid_step_and_restarted_heals_from_its_peer_on_the_refere
     survivor, back = job.lines(0), job.lines(1)
     assert survivor[-1] == "done" and back[-1] == "done"
     # step 4 broke under the survivor (the victim died before the gradient sum), so it was done
-    # again over the new quorum: the whole batch its own; it trained alone until the return
+    # again over the new quorum, the whole batch its own; it trained alone until the return
     # and it kept what it had done of step 4 (rows 0-5), recomputing only the lost rows 6-11
     step4 = next(line for line in survivor if line.startswith("step 4 "))
     assert step4.startswith("step 4 participants 1 attempts 2 ") and step4.endswith(" micro-batches 3")

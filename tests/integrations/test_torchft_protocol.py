@@ -3,8 +3,9 @@
 In one process, no torchft needed: the stand-in plays a quorum of W groups whose other members' sums
 it adds itself (their shares computed here from the same model), and can fail a step's commit. What
 the lighthouse tests (test_torchft.py) show with real processes, these pin down in milliseconds: the
-shares cover the global batch, a step whose commit failed is done again on the same rows and applied
-once, a step that keeps failing ends in a SyncError, and bad settings are refused by name.
+shares cover the global batch, a step whose commit failed is tried again on the same rows and applied
+once, what a group accumulated in the broken try is kept and only a lost group's rows recomputed, a
+step that keeps failing ends in a SyncError, and bad settings are refused by name.
 Tolerances: float64 sums regrouped over shares and micro-batches, a few ulps (1e-15 bound 1e-12).
 """
 

@@ -5,7 +5,7 @@ store on 127.0.0.1, builds a float64 model and a ``FaultTolerantAccumulator`` ov
 steps ``STEPS`` global batches of 12 rows (uneven counts: rows masked out), printing one line per
 step (``step S participants W attempts A``) and saving its final parameters to ``OUT/group<G>.pt``.
 A test steers the timing (never the arithmetic) by a file ``OUT/control-group<G>``: ``stall S`` makes
-the group hang in its first forward of step S (its count already all-reduced), where the test kills it;
+the group hang in its first forward of step S (the step's first collective done), where the test kills it;
 ``hold S`` makes it wait after step S while the file exists, so that a restarted peer can join before
 it finishes. The model, data, loss and the one-process reference live here too.
 """

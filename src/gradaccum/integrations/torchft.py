@@ -152,7 +152,7 @@ class FaultTolerantAccumulator:
             self.scheduler.load_state_dict(state["scheduler"])
 
     def step(self, global_batch: GlobalBatch, loss_fn: LossFn, count_fn: CountFn) -> StepResult:
-        """Apply one update over ``global_batch(step)``, redoing the step while its quorum changes."""
+        """Apply one update over ``global_batch(step)``, trying the step again while its quorum changes."""
         for attempt in range(1, self.max_attempts + 1):
             self.attempts = attempt
             result = self._attempt(global_batch, loss_fn, count_fn)
