@@ -159,6 +159,8 @@ def _participants(lines: list[str]) -> list[int]:
     return [int(line.split()[3]) for line in lines if line.startswith("step ")]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_pages_example_under_two_torchruns_takes_the_whole_global_batch_exactly(
     tmp_path: Path, job_factory: list[Job]
@@ -185,6 +187,8 @@ def test_the_pages_example_under_two_torchruns_takes_the_whole_global_batch_exac
         assert head == f"group {g}: max |param - one-process reference| " and float(diff) <= 1e-10
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_group_killed_mid_step_and_restarted_heals_from_its_peer_on_the_reference(
     tmp_path: Path, job_factory: list[Job]
