@@ -6,7 +6,15 @@ import json
 import subprocess
 import sys
 
-LIBRARIES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric", "deepspeed")
+LIBRARIES = (
+    "transformers",
+    "accelerate",
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "deepspeed",
+    "torchft",
+)
 
 PROBE = f"""
 import json, sys
@@ -16,6 +24,7 @@ gradaccum.Accumulator, gradaccum.guard, gradaccum.verify
 before = loaded()
 import gradaccum.integrations.accelerate  # its functions import accelerate when they run
 import gradaccum.integrations.deepspeed  # and this one deepspeed
+import gradaccum.integrations.torchft  # drives the caller's Manager: no torchft import at all
 integration = loaded()
 import accelerate
 print(json.dumps([before, integration, loaded()]))

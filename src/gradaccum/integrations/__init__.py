@@ -8,11 +8,15 @@
   optimization over windows); Fabric's ``fabric.setup`` objects go straight into ``Accumulator``
   (``gradaccum[lightning]``);
 * :mod:`gradaccum.integrations.deepspeed`: ``prepare_accumulator(engine)`` drives a DeepSpeed engine
-  (ZeRO 0-3) through exact windows (``gradaccum[deepspeed]``).
+  (ZeRO 0-3) through exact windows (``gradaccum[deepspeed]``);
+* :mod:`gradaccum.integrations.torchft`: ``FaultTolerantAccumulator`` shares each step's global
+  batch among a torchft quorum's replica groups, exactly, whatever groups come and go
+  (``gradaccum[torchft]``).
 
 Importing this package imports none of those libraries: each submodule imports its own on import,
 except ``accelerate`` and ``deepspeed``, whose functions import them when they run (the step calls
-the scheduler check of the first).
+the scheduler check of the first), and ``torchft``, which drives the caller's ``Manager`` and never
+imports torchft itself.
 """
 
 from __future__ import annotations
