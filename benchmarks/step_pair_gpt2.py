@@ -9,16 +9,19 @@ shifted cross-entropy of the model's ``.logits``, ``count_fn = count_tokens(2, s
 tuples: the shifted targets of every micro-batch counted first, one sum, zero_grad once, each
 micro-batch's summed loss / N backpropagated, one AdamW step. One process, CPU, k = 4
 micro-batches of 2 sequences x 24 tokens, one shared model and optimizer; the two arms alternate
-with nothing between them, the order swapped every round. Each run prints the median paired
-ratio and difference over its rounds; the last line gives the median over runs.
+with nothing between them, the order swapped every round; then the same for ``pre by hand`` (the
+default step's features written by hand on the same tuples, no engine: its floor). Each run prints
+the median paired ratio and difference over its rounds; the last line gives the median over runs
+and their spread.
 
     .venv/bin/python benchmarks/step_pair_gpt2.py [--runs 3] [--rounds 80] [--threads 1]
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,21 +78,63 @@ def hand_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, window: list[T
     opt.step()
 
 
-def one_run(rounds: int) -> tuple[float, float, float]:
-    """(median ratio, median difference in us, the hand loop's median in ms)."""
+def pre_by_hand(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[list[Tuple]], None]:
+    """The default step's features written by hand on the same tuples, no engine (its floor): the
+    counts read on the host (a negative one refused), W/N handed to autograd as each loss's
+    gradient, each summed loss kept for the report, GradScaler's fused non-finite check, one host
+    read, and the step only when everything is finite."""
+    params = list(model.parameters())
+    one = torch.ones(1)
+
+    def run(window: list[Tuple]) -> None:
+        counts = torch.stack([(labels[:, 1:] != -100).sum() for _, _, labels in window]).tolist()
+        if min(counts) < 0:
+            raise ValueError("a negative count")
+        n = sum(counts)
+        opt.zero_grad(set_to_none=True)
+        scale = torch.full((), 1.0 / max(n, 1), dtype=torch.float32)
+        losses = []
+        for ids, mask, labels in window:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, VOCAB),
+                labels[:, 1:].reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            losses.append(loss.detach())
+            torch.autograd.backward(loss, scale)
+        found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [p.grad for p in params if p.grad is not None], found, one
+        )
+        *summed, flag = torch.stack([*losses, found]).tolist()
+        if math.isfinite(math.fsum(summed)) and n and not flag:
+            opt.step()
+
+    return run
+
+
+def one_run(rounds: int) -> dict[str, tuple[float, float, float]]:
+    """Per arm: (median ratio, median difference in us, the hand loop's median in ms), each arm
+    timed against the hand loop in a pair of its own."""
     model = build_gpt2(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     acc = Accumulator(model, opt)
     window = window_of_tuples(1)
     count_fn = count_tokens(2, shift=True)
-    arms: dict[str, Any] = {
-        "hand": lambda: hand_loop(model, opt, window),
+    floor = pre_by_hand(model, opt)
+    arms: dict[str, Callable[[], object]] = {
         "gradaccum": lambda: acc.step(window, loss_fn, count_fn),
+        "pre by hand": lambda: floor(window),
     }
-    took = paired_times(arms, rounds)
-    ratio = statistics.median(t["gradaccum"] / t["hand"] for t in took)
-    diff = statistics.median(t["gradaccum"] - t["hand"] for t in took) * 1e6
-    return ratio, diff, statistics.median(t["hand"] for t in took) * 1e3
+    out = {}
+    for name, arm in arms.items():
+        took = paired_times({"hand": lambda: hand_loop(model, opt, window), name: arm}, rounds)
+        ratio = statistics.median(t[name] / t["hand"] for t in took)
+        diff = statistics.median(t[name] - t["hand"] for t in took) * 1e6
+        out[name] = (ratio, diff, statistics.median(t["hand"] for t in took) * 1e3)
+    return out
 
 
 def main() -> None:
@@ -98,14 +143,20 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} thread(s), {args.runs} runs of {args.rounds} rounds, "
         f"GPT-2 k={K} x {ROWS}x{LENGTH} tuples"
     )
-    ratios = []
+    runs = []
     for r in range(args.runs):
-        ratio, diff, hand_ms = one_run(args.rounds)
-        ratios.append(ratio)
-        print(f"run {r + 1}: gradaccum {ratio:.4f}x ({diff:+.0f} us; hand loop {hand_ms:.2f} ms)")
-    print(
-        f"median over runs: gradaccum {statistics.median(ratios):.4f}x ({min(ratios):.4f}..{max(ratios):.4f})"
-    )
+        got = one_run(args.rounds)
+        runs.append(got)
+        cells = "   ".join(
+            f"{name} {ratio:.4f}x ({diff:+.0f} us; hand {hand_ms:.2f} ms)"
+            for name, (ratio, diff, hand_ms) in got.items()
+        )
+        print(f"run {r + 1}: {cells}")
+    cells = []
+    for name in runs[0]:
+        ratios = [run[name][0] for run in runs]
+        cells.append(f"{name} {statistics.median(ratios):.4f}x ({min(ratios):.4f}..{max(ratios):.4f})")
+    print("median over runs: " + "   ".join(cells))
 
 
 if __name__ == "__main__":
