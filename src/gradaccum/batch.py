@@ -38,6 +38,10 @@ Batch: TypeAlias = Any
 """A tensor, or a tuple/list/mapping (possibly nested) of tensors that share dim 0."""
 
 
+_UNNAMED = frozenset((tuple, list, torch.Tensor))
+"""Exact types whose instances have no named fields (a namedtuple or a tensor subclass is none of them)."""
+
+
 def fields(micro_batch: Batch) -> Mapping[Any, Any] | None:
     """A micro-batch's named fields, or ``None`` where it has no names (a tensor, a plain tuple or
     list, anything else).
@@ -47,6 +51,11 @@ def fields(micro_batch: Batch) -> Mapping[Any, Any] | None:
     namedtuple's and a dataclass instance's fields come back as a dict by name. Every library reader
     of a micro-batch's ``attention_mask``, ``labels`` or other field goes through this function.
     """
+    kind = type(micro_batch)
+    if kind is dict:  # the usual micro-batches first: Mapping's isinstance runs an ABC check in Python
+        return micro_batch
+    if kind in _UNNAMED:
+        return None
     if isinstance(micro_batch, Mapping):
         return micro_batch
     if isinstance(micro_batch, tuple) and hasattr(micro_batch, "_fields"):

@@ -82,15 +82,30 @@ def valid_tokens(
     is not counted; ``False`` for labels already aligned with the logits. The count stays on the
     labels' device (no host sync).
     """
-    shift = _require_shift(shift, "valid_tokens")
+    return _count_valid(labels, ignore_index, _require_shift(shift, "valid_tokens"))
+
+
+def _count_valid(labels: torch.Tensor, ignore_index: int, shift: bool) -> torch.Tensor:
+    """:func:`valid_tokens` with ``shift`` already checked: what a ``count_fn`` calls per micro-batch."""
     _check_label_dtype(labels, ignore_index)
     if shift:
         labels = labels[..., 1:]
     return (labels != ignore_index).sum()
 
 
+_LABEL_DTYPES = frozenset(
+    d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and not (d.is_floating_point or d.is_complex or d == torch.bool)
+)
+"""The dtypes a label tensor may have: one set lookup per micro-batch instead of three tests."""
+
+
 def _check_label_dtype(labels: torch.Tensor, ignore_index: int) -> None:
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+    dtype = labels.dtype
+    if dtype in _LABEL_DTYPES:
+        return
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise CountTypeError(
             f"labels must be an integer tensor of class ids (ignore_index={ignore_index} for positions "
             f"that do not count), got dtype {labels.dtype}"
@@ -110,15 +125,17 @@ def count_tokens(
     """
     shift = _require_shift(shift, f"count_tokens({key!r})")
 
+    # shift is checked once, here; isinstance stops at the first type that matches, so a tuple or
+    # a list never reaches Mapping's ABC check (a Python call)
     def count_fn(micro_batch: Any) -> torch.Tensor:
         named = fields(micro_batch) if isinstance(key, str) else None
         if named is not None:
             labels = named[key]
-        elif isinstance(micro_batch, (Mapping, tuple, list)):
+        elif isinstance(micro_batch, (tuple, list, Mapping)):
             labels = micro_batch[key]  # type: ignore[index]
         else:
             labels = micro_batch
-        return valid_tokens(labels, ignore_index=ignore_index, shift=shift)
+        return _count_valid(labels, ignore_index, shift)
 
     count_fn.__qualname__ = f"count_tokens({key!r}, ignore_index={ignore_index}, shift={shift})"
     return count_fn
@@ -127,6 +144,10 @@ def count_tokens(
 def count_examples(micro_batch: Any) -> int:
     """A ``count_fn`` counting examples: the shared dim 0 of the micro-batch's tensors."""
     return batch_size(micro_batch)
+
+
+_HALF = frozenset((torch.float16, torch.bfloat16))
+"""Logits summed in float32 (a sum over many tokens in half precision drops digits)."""
 
 
 def summed_cross_entropy(
@@ -149,7 +170,7 @@ def summed_cross_entropy(
         logits = logits[..., :-1, :]
         labels = labels[..., 1:]
     flat = logits.reshape(-1, logits.shape[-1])
-    if flat.dtype in (torch.float16, torch.bfloat16):
+    if flat.dtype in _HALF:
         flat = flat.float()  # a sum over many tokens in half precision drops digits
     return F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
 

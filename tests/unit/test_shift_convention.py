@@ -94,3 +94,30 @@ def test_causal_lm_loss_keeps_its_causal_default() -> None:
     assert gradaccum.CausalLMLoss().shift is True
     mb = batch()
     assert int(gradaccum.CausalLMLoss().count_fn(mb)) == int(gradaccum.count_tokens("labels", shift=True)(mb))
+
+
+@pytest.mark.parametrize("container", ["tuple", "list", "dict", "tensor"])
+@pytest.mark.parametrize("shift", [True, False])
+def test_count_tokens_reads_labels_by_position_in_every_container(container: str, shift: bool) -> None:
+    # labels of 2 rows x 5: row 0 has 4 valid labels, row 1 has 2; the shift drops each row's first
+    labels = torch.tensor([[3, 4, 5, 6, -100], [7, 8, -100, -100, -100]])
+    ids = labels.clamp(min=0)
+    mb = {
+        "tuple": (ids, labels),
+        "list": [ids, labels],
+        "dict": {0: ids, 1: labels},
+        "tensor": labels,
+    }[container]
+    count = gradaccum.count_tokens(1, shift=shift)(mb)  # a bare tensor is the labels themselves
+    assert int(count) == (4 if shift else 6) == int(valid_tokens(labels, shift=shift))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.bool, torch.complex64])
+def test_labels_that_are_not_integers_are_refused_by_dtype(dtype: torch.dtype) -> None:
+    from gradaccum.errors import CountTypeError
+
+    labels = torch.ones(2, 4, dtype=dtype)
+    with pytest.raises(CountTypeError, match=f"integer tensor of class ids .*got dtype {dtype}"):
+        gradaccum.count_tokens(2, shift=True)((labels, labels, labels))
+    for integer in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        assert int(valid_tokens(torch.ones(2, 4, dtype=integer), shift=True)) == 6
