@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gradaccum.errors import PlanError
-from gradaccum.tokens.cost import CostFn, balance_by_cost
+from gradaccum.tokens.cost import CostFn, balance_by_cost, longest_two
 from gradaccum.tokens.cost import cost_imbalance as ratio_to_mean
 from gradaccum.values import require_int
 
@@ -182,17 +182,6 @@ BALANCE_TOLERANCE = 0.02
 micro-batch on balance: the slowest rank then waits about 2 % longer than the mean one."""
 
 
-def _top(rows: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, int]:
-    """(longest length, its row, the next longest length) of a micro-batch."""
-    first, second, row = 0, 0, -1
-    for i in rows:
-        if lengths[i] > first:
-            first, second, row = lengths[i], first, i
-        elif lengths[i] > second:
-            second = lengths[i]
-    return first, row, second
-
-
 def _rebalance(
     ranks: list[list[list[int]]], lengths: Sequence[int], valid: Sequence[int], max_tokens: int
 ) -> None:
@@ -217,10 +206,10 @@ def _rebalance(
         lights = []
         for rows_y in ranks[light]:
             by_valid = sorted(rows_y, key=lambda i: (valid[i], i))
-            lights.append((rows_y, _top(rows_y, lengths), by_valid, [valid[i] for i in by_valid]))
+            lights.append((rows_y, longest_two(rows_y, lengths), by_valid, [valid[i] for i in by_valid]))
         best: tuple[int, float, int, int, int, int] | None = None
         for x, rows_x in enumerate(ranks[heavy]):
-            top_x, n_x = _top(rows_x, lengths), len(rows_x)
+            top_x, n_x = longest_two(rows_x, lengths), len(rows_x)
             for y, (rows_y, top_y, by_valid, keys) in enumerate(lights):
                 n_y = len(rows_y)
                 before = n_x * top_x[0] + n_y * top_y[0]

@@ -153,7 +153,7 @@ class _State:
         return _price(self.cost, self.valid, rows)
 
 
-def _top(rows: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, int]:
+def longest_two(rows: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, int]:
     """(longest length, its row, the next longest length) of a micro-batch."""
     first, second, row = 0, 0, -1
     for i in rows:
@@ -207,11 +207,11 @@ def _best_move(s: _State, heavy: int, light: int, gap: float) -> Move | None:
     lights = []
     for rows_y in light_mbs:
         by_alone = sorted(rows_y, key=lambda i: (alone[i], i))
-        lights.append((rows_y, _top(rows_y, lengths), by_alone, [alone[i] for i in by_alone]))
+        lights.append((rows_y, longest_two(rows_y, lengths), by_alone, [alone[i] for i in by_alone]))
     for x, rows_x in enumerate(heavy_mbs):
         c_x, n_x = s.costs[heavy][x], len(rows_x)
         movable = n_x > 1  # a row moves only out of a micro-batch of two or more; swaps from any
-        top_x = _top(rows_x, lengths)
+        top_x = longest_two(rows_x, lengths)
         before_x = n_x * top_x[0]
         for a in rows_x:
             rest = None if additive else [i for i in rows_x if i != a]
