@@ -48,3 +48,18 @@ def paired_differences(
     took = list(_paired_rounds(runners, rounds))
     others = [name for name in runners if name != reference]
     return {name: statistics.median(t[name] - t[reference] for t in took) for name in others}
+
+
+def each_against(
+    reference: Callable[[], object], arms: dict[str, Callable[[], object]], rounds: int
+) -> dict[str, tuple[float, float, float]]:
+    """Per arm, timed in a pair of its own against ``reference``: (median ratio, median difference
+    in us, the reference's median in ms). Two arms never share a pair, so one arm's cost cannot
+    move another's figure."""
+    out = {}
+    for name, arm in arms.items():
+        took = paired_times({"reference": reference, name: arm}, rounds)
+        ratio = statistics.median(t[name] / t["reference"] for t in took)
+        diff = statistics.median(t[name] - t["reference"] for t in took) * 1e6
+        out[name] = (ratio, diff, statistics.median(t["reference"] for t in took) * 1e3)
+    return out

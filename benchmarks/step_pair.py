@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from options import parse_counts
 from overhead import count, hand_loop, pre_by_hand
-from paired import paired_times
+from paired import each_against
 
 from gradaccum import Accumulator, split
 from gradaccum.examples import build_tiny_gpt, gpt_loss
@@ -34,17 +34,12 @@ def one_run(rounds: int) -> dict[str, tuple[float, float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     acc = Accumulator(model, opt)
     floor = pre_by_hand(model, opt)
+    hand = lambda: hand_loop(model, opt, window)
     arms: dict[str, Callable[[], object]] = {
         "gradaccum": lambda: acc.step(window, gpt_loss, count),
         "pre by hand": lambda: floor(window),
     }
-    out = {}
-    for name, arm in arms.items():
-        took = paired_times({"hand": lambda: hand_loop(model, opt, window), name: arm}, rounds)
-        ratio = statistics.median(t[name] / t["hand"] for t in took)
-        diff = statistics.median(t[name] - t["hand"] for t in took) * 1e6
-        out[name] = (ratio, diff)
-    return out
+    return {name: (ratio, diff) for name, (ratio, diff, _) in each_against(hand, arms, rounds).items()}
 
 
 def main() -> None:

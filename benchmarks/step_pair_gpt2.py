@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from options import parse_counts
-from paired import paired_times
+from paired import each_against
 
 from gradaccum import Accumulator
 from gradaccum.loss import count_tokens, summed_cross_entropy
@@ -128,13 +128,7 @@ def one_run(rounds: int) -> dict[str, tuple[float, float, float]]:
         "gradaccum": lambda: acc.step(window, loss_fn, count_fn),
         "pre by hand": lambda: floor(window),
     }
-    out = {}
-    for name, arm in arms.items():
-        took = paired_times({"hand": lambda: hand_loop(model, opt, window), name: arm}, rounds)
-        ratio = statistics.median(t[name] / t["hand"] for t in took)
-        diff = statistics.median(t[name] - t["hand"] for t in took) * 1e6
-        out[name] = (ratio, diff, statistics.median(t["hand"] for t in took) * 1e3)
-    return out
+    return each_against(lambda: hand_loop(model, opt, window), arms, rounds)
 
 
 def main() -> None:
