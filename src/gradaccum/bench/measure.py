@@ -182,6 +182,9 @@ class _Arm:
             observer=self.clock,
             scaling=spec.scaling,
             balance=balance,
+            # a measurement times the update, whatever the loss's form: the equivalence checks of
+            # verify and accept (their denominator audit) judge it, and name a mean
+            check_loss_reduction=False,
         )
         self.loss_fn = precision.autocast_loss(workload.loss_fn, spec.precision, device)
         self.buckets: int | None = None

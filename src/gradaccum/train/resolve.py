@@ -301,7 +301,11 @@ def _from_card(spec: TrainSpec, path: Path, world: int) -> tuple[BatchPlan, dict
         optimizer = "the workload's own optimizer_factory (its learning rates are the schedule's peak)"
     else:
         optimizer = f"{card.optimizer}, lr {card.lr:g}, weight decay {_word(fixed['weight_decay'])}"
-    accum = ", ".join(f"{k} {_word(v)}" for k, v in card.accum.to_dict().items() if k != "track_grad_norm")
+    # the loss check is said only where a card turns it off: it is on in every run the commands make
+    words = {k: v for k, v in card.accum.to_dict().items() if k != "track_grad_norm"}
+    if words.get("check_loss_reduction") is True:
+        del words["check_loss_reduction"]
+    accum = ", ".join(f"{k} {_word(v)}" for k, v in words.items())
     notes: tuple[str, ...] = (
         f"from run card {path}: workload {card.workload}; {card.equation()}; precision "
         f"{card.precision}"

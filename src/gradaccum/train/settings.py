@@ -112,6 +112,8 @@ OTHER_FLAGS = {
 NOT_RUN_SETTINGS = {
     "loss_reduction": "the workload's loss_fn returns a sum over its counted units (the Workload "
     "contract), so the commands always run 'sum'; 'mean' is for library callers whose loss is a mean",
+    "check_loss_reduction": "the workload's loss_fn returns a sum over its counted units (the "
+    "Workload contract), so the commands always read the first window's losses and refuse a mean",
     "track_grad_norm": "a report, not a setting: train always records the pre-clip norm",
     "skip_nonfinite": "always on in the commands: a non-finite window is skipped on every rank and "
     "counted (float16's GradScaler needs it); turning it off would apply a NaN update",
